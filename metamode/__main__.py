@@ -1,0 +1,35 @@
+"""``python -m metamode <command>``: the demo, the benchmark and the doctor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module with a ``main(argv)``, one-line help)
+_COMMANDS = {
+    "demo": ("metamode._demo", "show PEFT's concurrency bug and metamode's fix on tiny models"),
+    "bench": ("metamode._bench", "benchmark empty-model construction against the stock paths"),
+    "doctor": ("metamode._doctor", "find (and optionally repair) global patches left in torch"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m metamode", description=__doc__)
+    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(
+        f"{name}: {text}" for name, (_, text) in sorted(_COMMANDS.items())
+    ))
+    args, rest = parser.parse_known_args(argv[:1])
+    module_name, _ = _COMMANDS[args.command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        parser.error(f"`{args.command}` is not available in this version of metamode")
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""torch's official registration hooks, installed once per process.
+
+A torch-function mode cannot see ``Module.register_parameter``: it is plain
+Python, not a torch function. Instead of replacing it (what accelerate and
+PEFT do, and what breaks under threads), metamode registers one global
+parameter hook and one global buffer hook via
+``torch.nn.modules.module.register_module_*_registration_hook``.
+
+They are installed when :mod:`metamode` is imported -- never lazily inside a
+context, so entering and leaving contexts changes no global state -- and never
+removed: removing a hook while another thread iterates torch's hook dict can
+raise. When no metamode context is active in the calling thread the hooks
+return after one C call (``len`` of the thread's mode stack).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as _torch_module
+
+from metamode._modes import active_empty_weights
+from metamode._stack import stack_depth
+
+__all__ = ["installed"]
+
+
+def _on_parameter_registered(module, name, param):  # noqa: ARG001 - torch's hook signature
+    if not stack_depth():
+        return None
+    context = active_empty_weights()
+    return None if context is None else context.place_parameter(param)
+
+
+def _on_buffer_registered(module, name, tensor):  # noqa: ARG001 - torch's hook signature
+    if tensor is None or not stack_depth():
+        return None
+    context = active_empty_weights()
+    return None if context is None else context.place_buffer(tensor)
+
+
+_on_parameter_registered.__metamode_hook__ = True
+_on_buffer_registered.__metamode_hook__ = True
+
+
+def _already_installed(hooks: dict) -> bool:
+    return any(getattr(hook, "__metamode_hook__", False) for hook in list(hooks.values()))
+
+
+def _install() -> None:
+    # Re-importing this module (importlib.reload, a second copy of the package)
+    # must not stack a second pair of hooks.
+    if not _already_installed(_torch_module._global_parameter_registration_hooks):
+        torch.nn.modules.module.register_module_parameter_registration_hook(
+            _on_parameter_registered
+        )
+    if not _already_installed(_torch_module._global_buffer_registration_hooks):
+        torch.nn.modules.module.register_module_buffer_registration_hook(_on_buffer_registered)
+
+
+def installed() -> bool:
+    """True if this process has metamode's registration hooks (it always should)."""
+    return _already_installed(
+        _torch_module._global_parameter_registration_hooks
+    ) and _already_installed(_torch_module._global_buffer_registration_hooks)
+
+
+_install()

@@ -1,0 +1,94 @@
+"""A snapshot of the process-global torch state that model construction touches.
+
+Empty-weight helpers elsewhere corrupt exactly these things: class attributes
+of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
+functions, the default dtype and device, torch's global registration hooks,
+and the calling thread's mode stack. Taking a snapshot before and comparing
+after is how the test suite proves that metamode leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils._device
+from torch.nn.modules import module as _torch_module
+
+from metamode._stack import stack_depth
+
+__all__ = ["Snapshot", "snapshot", "FACTORY_NAMES"]
+
+FACTORY_NAMES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "linspace", "logspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "empty_strided",
+)  # fmt: skip
+
+_HOOK_DICTS = (
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+    "_global_module_registration_hooks",
+)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    module_attrs: dict[str, int]
+    init_functions: dict[str, int]
+    factories: dict[str, int]
+    tensor_methods: dict[str, int]
+    hooks: dict[str, tuple[int, ...]]
+    default_dtype: torch.dtype
+    device_context: object
+    mode_stack_depth: int
+
+    def changes_since(self, before: Snapshot) -> list[str]:
+        """Human-readable differences, empty if the process is as it was."""
+        changes: list[str] = []
+        for label, old, new in (
+            ("torch.nn.Module", before.module_attrs, self.module_attrs),
+            ("torch.nn.init", before.init_functions, self.init_functions),
+            ("torch", before.factories, self.factories),
+            ("torch.Tensor", before.tensor_methods, self.tensor_methods),
+        ):
+            for name in sorted(old.keys() | new.keys()):
+                if old.get(name) != new.get(name):
+                    verb = "added" if name not in old else "removed" if name not in new else "replaced"
+                    changes.append(f"{label}.{name} {verb}")
+        for name in _HOOK_DICTS:
+            if before.hooks[name] != self.hooks[name]:
+                changes.append(f"torch.nn.modules.module.{name} changed")
+        if before.default_dtype != self.default_dtype:
+            changes.append(f"default dtype {before.default_dtype} -> {self.default_dtype}")
+        if before.device_context != self.device_context:
+            changes.append(f"default device {before.device_context} -> {self.device_context}")
+        if before.mode_stack_depth != self.mode_stack_depth:
+            changes.append(
+                f"this thread's torch-function mode stack depth "
+                f"{before.mode_stack_depth} -> {self.mode_stack_depth}"
+            )
+        return changes
+
+
+def _identities(namespace: dict, names=None) -> dict[str, int]:
+    keys = namespace.keys() if names is None else [n for n in names if n in namespace]
+    return {name: id(namespace[name]) for name in keys}
+
+
+def snapshot() -> Snapshot:
+    """Record the global torch state (identities, not copies: cheap)."""
+    device_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return Snapshot(
+        module_attrs=_identities(vars(torch.nn.Module)),
+        init_functions=_identities(vars(torch.nn.init)),
+        factories=_identities(vars(torch), FACTORY_NAMES),
+        tensor_methods=_identities(vars(torch.Tensor)),
+        hooks={name: tuple(getattr(_torch_module, name)) for name in _HOOK_DICTS},
+        default_dtype=torch.get_default_dtype(),
+        device_context=(
+            torch.utils._device.CURRENT_DEVICE,
+            None if device_context is None else device_context.device,
+        ),
+        mode_stack_depth=stack_depth(),
+    )

@@ -1,0 +1,133 @@
+"""Atomic, reversible rebinding of a library's module-level names.
+
+The one place metamode changes another library's namespace. The rules:
+
+* Everything happens under one process-wide lock, and either every binding
+  changes or none does (a failure part-way rolls back what was applied).
+* Targets are found by *identity*: every module of the library whose
+  namespace holds the original object, under any name -- not a hard-coded list
+  of ``from ... import`` sites, which would go stale with each release.
+* The library's home module is rebound too, so modules imported *later*
+  pick up the replacement by their own ``from ... import``.
+* ``disable`` restores every binding that still holds our replacement,
+  including ones made by modules imported after ``enable``.
+* A library whose internals lack the expected names gets a clear error naming
+  its version and the missing names, and nothing is changed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+__all__ = ["IncompatibleLibraryError", "Rebinding"]
+
+_LOCK = threading.RLock()
+
+
+class IncompatibleLibraryError(RuntimeError):
+    """The installed library does not have the internals a shim expects."""
+
+
+@dataclass
+class Rebinding:
+    """Replace ``home_module``'s ``names`` (and every alias of them) in ``package``."""
+
+    package: str
+    extra: str  # the pip extra that installs the package
+    home_module: str
+    replacements: Mapping[str, Callable[..., Any]]
+    _originals: dict[str, Any] = field(default_factory=dict)
+    _applied: list[tuple[ModuleType, str, Any]] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._originals)
+
+    def enable(self) -> tuple[str, ...]:
+        """Rebind; returns the ``module.name`` bindings now pointing at metamode."""
+        with _LOCK:
+            if self.enabled:
+                return self._describe()
+            home = self._import_home()
+            missing = [name for name in self.replacements if name not in vars(home)]
+            if missing:
+                raise IncompatibleLibraryError(
+                    f"{self.package} {self._version()} has no {', '.join(missing)} in "
+                    f"{self.home_module}; metamode's shim cannot route it safely, so "
+                    f"nothing was changed. Please report this with the version."
+                )
+            originals = {name: vars(home)[name] for name in self.replacements}
+            ours = set(map(id, self.replacements.values()))
+            if any(id(obj) in ours for obj in originals.values()):
+                raise IncompatibleLibraryError(
+                    f"{self.home_module} already holds metamode's replacements "
+                    f"(another copy of metamode enabled this shim?)"
+                )
+            by_original = {id(originals[n]): self.replacements[n] for n in originals}
+            targets = [
+                (module, attr, value, by_original[id(value)])
+                for module in self._library_modules()
+                for attr, value in list(vars(module).items())
+                if id(value) in by_original
+            ]
+            applied: list[tuple[ModuleType, str, Any]] = []
+            try:
+                for module, attr, original, replacement in targets:
+                    setattr(module, attr, replacement)
+                    applied.append((module, attr, original))
+            except BaseException:
+                for module, attr, original in reversed(applied):
+                    setattr(module, attr, original)
+                raise
+            self._originals = originals
+            self._applied = applied
+            return self._describe()
+
+    def disable(self) -> tuple[str, ...]:
+        """Restore every original binding; returns those restored."""
+        with _LOCK:
+            if not self.enabled:
+                return ()
+            back = {id(self.replacements[n]): self._originals[n] for n in self._originals}
+            restored = []
+            for module in self._library_modules():
+                for attr, value in list(vars(module).items()):
+                    if id(value) in back:
+                        setattr(module, attr, back[id(value)])
+                        restored.append(f"{module.__name__}.{attr}")
+            self._originals = {}
+            self._applied = []
+            return tuple(sorted(restored))
+
+    def _describe(self) -> tuple[str, ...]:
+        return tuple(sorted(f"{m.__name__}.{a}" for m, a, _ in self._applied))
+
+    def _import_home(self) -> ModuleType:
+        try:
+            return importlib.import_module(self.home_module)
+        except ImportError as error:
+            raise ImportError(
+                f"metamode's {self.package} integration needs {self.package}: "
+                f"pip install 'metamode[{self.extra}]' ({error})"
+            ) from error
+
+    def _library_modules(self) -> list[ModuleType]:
+        prefix = self.package + "."
+        return [
+            module
+            for name, module in list(sys.modules.items())
+            if isinstance(module, ModuleType) and (name == self.package or name.startswith(prefix))
+        ]
+
+    def _version(self) -> str:
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return "(unknown version)"

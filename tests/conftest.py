@@ -1,0 +1,37 @@
+"""Suite-wide guard: no test may leave global torch state changed.
+
+Every test runs between two snapshots of what empty-weight helpers are known
+to corrupt (``torch.nn.Module`` attributes, ``torch.nn.init``, torch's
+factory functions, ``torch.Tensor`` methods, registration hooks, default
+dtype/device, this thread's mode stack). Stock-library reproducers that
+corrupt the process run in subprocesses, so this guard holds for them too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import json
+
+import pytest
+
+import metamode  # noqa: F401  (hooks are installed before the first snapshot)
+from metamode._invariants import snapshot
+
+
+@pytest.fixture(autouse=True)
+def _torch_left_as_it_was():
+    before = snapshot()
+    yield
+    changes = snapshot().changes_since(before)
+    if changes:
+        pytest.fail("test left global torch state changed: " + "; ".join(changes), pytrace=False)
+
+
+def run_python(code: str, timeout: float = 300) -> dict:
+    """Run ``code`` in a fresh interpreter; return the JSON it prints last."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
