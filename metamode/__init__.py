@@ -57,11 +57,12 @@ def __getattr__(name: str):
     return module if attr is None else getattr(module, attr)
 
 
-def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+def load_ipython_extension(ipython) -> None:
     """``%load_ext metamode``: registers the ``%%empty_weights`` cell magic."""
     from metamode._ipython import load_ipython_extension as load
 
     load(ipython)
+
 
 __all__ = [
     "ContextMisuseError",

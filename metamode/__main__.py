@@ -17,10 +17,12 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m metamode", description=__doc__)
-    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(
-        f"{name}: {text}" for name, (_, text) in sorted(_COMMANDS.items())
-    ))
-    args, rest = parser.parse_known_args(argv[:1])
+    parser.add_argument(
+        "command",
+        choices=sorted(_COMMANDS),
+        help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(_COMMANDS.items())),
+    )
+    args = parser.parse_args(argv[:1])
     module_name, _ = _COMMANDS[args.command]
     try:
         module = importlib.import_module(module_name)

@@ -24,14 +24,14 @@ from metamode._stack import stack_depth
 __all__ = ["installed"]
 
 
-def _on_parameter_registered(module, name, param):  # noqa: ARG001 - torch's hook signature
+def _on_parameter_registered(module, name, param):
     if not stack_depth():
         return None
     context = active_empty_weights()
     return None if context is None else context.place_parameter(param)
 
 
-def _on_buffer_registered(module, name, tensor):  # noqa: ARG001 - torch's hook signature
+def _on_buffer_registered(module, name, tensor):
     if tensor is None or not stack_depth():
         return None
     context = active_empty_weights()

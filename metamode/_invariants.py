@@ -54,7 +54,13 @@ class Snapshot:
         ):
             for name in sorted(old.keys() | new.keys()):
                 if old.get(name) != new.get(name):
-                    verb = "added" if name not in old else "removed" if name not in new else "replaced"
+                    verb = (
+                        "replaced"
+                        if name in old and name in new
+                        else "added"
+                        if name in new
+                        else "removed"
+                    )
                     changes.append(f"{label}.{name} {verb}")
         for name in _HOOK_DICTS:
             if before.hooks[name] != self.hooks[name]:

@@ -28,7 +28,7 @@ from torch.utils._device import _device_constructors
 
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
-from metamode._skippable import is_pointless_on_meta
+from metamode._skippable import skipped_target
 
 __all__ = [
     "ContextMisuseError",
@@ -196,15 +196,17 @@ class EmptyWeights(ThreadScopedMode):
             f"include_buffers={self.include_buffers})"
         )
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         if self._suspended:
             return func(*args, **kwargs)
         if self.include_buffers and kwargs.get("device") is None and func in _device_constructors():
             kwargs["device"] = self.device
-        elif self._skip_init and is_pointless_on_meta(func, args, kwargs):
-            return args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        elif self._skip_init:
+            target = skipped_target(func, args, kwargs)
+            if target is not None:
+                return target
         return func(*args, **kwargs)
 
     # Called by the registration hooks, always in the owner thread.
@@ -218,7 +220,7 @@ class EmptyWeights(ThreadScopedMode):
             return None
         return self._memoised(tensor, moved_tensor)
 
-    def _memoised(self, tensor, move):  # noqa: ANN001, ANN202
+    def _memoised(self, tensor, move):
         if self._moved is None:
             self._moved = torch.utils.weak.WeakIdKeyDictionary()
         moved = self._moved.get(tensor)
@@ -259,7 +261,7 @@ class SkipEmptyWeights(ThreadScopedMode):
             mode._suspended -= 1
         self._suspends = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 

@@ -22,7 +22,11 @@ run against *stock* PEFT.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,15 +63,12 @@ def _reinit_from_generator(model: nn.Module, generator: torch.Generator) -> None
         for _name, module in model.named_modules():
             if not isinstance(module, (nn.Linear, nn.Conv2d)):
                 continue
-            weight = module.weight
-            fan_in = weight[0].numel()
+            fan_in = module.weight[0].numel()
             bound = 1.0 / fan_in**0.5
-            new_w = torch.rand(weight.shape, generator=generator, dtype=weight.dtype) * (2 * bound) - bound
-            weight.copy_(new_w)
-            if module.bias is not None:
-                bias = module.bias
-                new_b = torch.rand(bias.shape, generator=generator, dtype=bias.dtype) * (2 * bound) - bound
-                bias.copy_(new_b)
+            for param in (module.weight, module.bias):
+                if param is not None:
+                    fresh = torch.rand(param.shape, generator=generator, dtype=param.dtype)
+                    param.copy_(fresh * (2 * bound) - bound)
 
 
 def build_tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
@@ -82,7 +83,12 @@ def build_tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
     PEFT ``init_empty_weights``), the pipeline's parameters end up on ``meta`` and the
     re-initialisation below fails loudly -- which is the desired signal.
     """
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
 
     generator = torch.Generator().manual_seed(seed)
 
@@ -182,8 +188,9 @@ def synthetic_lora_state_dict(
     for name in lora_target_module_names(pipe):
         linear = modules[name]
         assert isinstance(linear, nn.Linear)
-        lora_a = torch.randn((rank, linear.in_features), generator=generator) / linear.in_features**0.5
-        lora_b = torch.randn((linear.out_features, rank), generator=generator) * (0.5 / rank**0.5)
+        fan_in, fan_out = linear.in_features, linear.out_features
+        lora_a = torch.randn((rank, fan_in), generator=generator) / fan_in**0.5
+        lora_b = torch.randn((fan_out, rank), generator=generator) * (0.5 / rank**0.5)
         state_dict[f"unet.{name}.lora_A.weight"] = lora_a
         state_dict[f"unet.{name}.lora_B.weight"] = lora_b
     if not state_dict:
@@ -221,3 +228,123 @@ def run_latents(pipe: StableDiffusionXLPipeline, seed: int = 0, steps: int = 2) 
             output_type="latent",
         )
     return out.images
+
+
+_WAIT_S = 60.0  # guard against hanging on a bug; never used for ordering
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    if not event.wait(_WAIT_S):
+        raise TimeoutError(f"concurrent LoRA load deadlocked waiting for {what}")
+
+
+class _ForcedOverlap:
+    """Wraps PEFT's current ``init_empty_weights`` to force the interleaving that leaks.
+
+    Why: with only a Barrier, whether two threads' contexts overlap in the fatal order is
+    up to the scheduler (measured: most rounds, not all). This wrapper makes it certain
+    without modifying the context it wraps: on each thread's *first* entry, thread A
+    enters, then B enters (stock PEFT: B captures A's patch as "the original"), then A
+    exits (restores torch's function), then B exits (re-installs A's patch for good),
+    and only then does A continue.
+    Every other entry passes straight through. The wrapped context is whatever PEFT is
+    bound to -- stock PEFT, or metamode's after ``metamode.enable_for_peft()`` -- so the
+    same choreography both breaks stock and proves the fix.
+    """
+
+    def __init__(self, wrapped: Callable[..., AbstractContextManager[Any]], a: str, b: str):
+        self.wrapped = wrapped
+        self._roles = {a: "A", b: "B"}
+        self._a_in = threading.Event()
+        self._b_in = threading.Event()
+        self._a_out = threading.Event()
+        self._b_out = threading.Event()
+
+    @contextmanager
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        role = self._roles.pop(threading.current_thread().name, None)
+        if role == "B":
+            _wait(self._a_in, "A to enter")
+        try:
+            with self.wrapped(*args, **kwargs):
+                if role == "A":
+                    self._a_in.set()
+                    _wait(self._b_in, "B to enter")
+                elif role == "B":
+                    self._b_in.set()
+                yield
+                if role == "B":
+                    _wait(self._a_out, "A to exit")
+        finally:
+            if role == "A":
+                self._a_out.set()
+            elif role == "B":
+                self._b_out.set()
+        if role == "A":
+            # Hold A until B has exited too: otherwise A could open its next context
+            # before B's exit and, on stock PEFT, capture and later restore torch's
+            # function, undoing the leak at random. After this point no open context
+            # holds torch's original, so on stock the leak is permanent.
+            _wait(self._b_out, "B to exit")
+
+
+def load_lora_concurrently(
+    pipes: Sequence[StableDiffusionXLPipeline],
+    state_dicts: Sequence[dict[str, torch.Tensor]],
+    adapter_name: str,
+    force_overlap: bool = False,
+) -> None:
+    """Call ``pipes[i].load_lora_weights(state_dicts[i], adapter_name=...)`` in parallel threads.
+
+    This is the real-world trigger: independent pipelines (e.g. one per request-serving
+    thread) loading LoRAs at the same time with diffusers' default
+    ``low_cpu_mem_usage=True``. A Barrier releases all threads together and the GIL
+    switch interval is cut to 1 microsecond so the threads interleave finely. With
+    ``force_overlap`` (needs >= 2 pipes) the first two threads' first PEFT
+    ``init_empty_weights`` contexts are additionally forced to overlap in the leaking
+    order (see ``_ForcedOverlap``). Re-raises the first exception from any thread.
+    """
+    import peft.tuners.tuners_utils as tuners_utils
+
+    if len(pipes) != len(state_dicts):
+        raise ValueError("need one state dict per pipeline")
+    names = [f"lora-loader-{i}" for i in range(len(pipes))]
+    barrier = threading.Barrier(len(pipes))
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        try:
+            barrier.wait()
+            pipes[index].load_lora_weights(state_dicts[index], adapter_name=adapter_name)
+        except BaseException as error:
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,), name=name) for i, name in enumerate(names)]
+    bound = tuners_utils.init_empty_weights
+    old_interval = sys.getswitchinterval()
+    if force_overlap:
+        if len(pipes) < 2:
+            raise ValueError("force_overlap needs at least two pipelines")
+        tuners_utils.init_empty_weights = _ForcedOverlap(bound, names[0], names[1])
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+        tuners_utils.init_empty_weights = bound
+    if errors:
+        raise errors[0]
+
+
+def lora_parameters_on_meta(pipe: StableDiffusionXLPipeline) -> tuple[int, int]:
+    """(meta, total) counts of the UNet's LoRA parameters.
+
+    Why: a LoRA weight left on ``meta`` is the silent failure mode -- ``F.linear`` with a
+    meta weight and a CPU input returns uninitialised memory instead of raising.
+    """
+    lora = [p for n, p in pipe.unet.named_parameters() if ".lora_" in n]
+    return sum(p.is_meta for p in lora), len(lora)

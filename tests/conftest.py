@@ -9,9 +9,9 @@ corrupt the process run in subprocesses, so this guard holds for them too.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-import json
 
 import pytest
 

@@ -1,0 +1,385 @@
+"""Semantics of metamode's contexts in one thread: placement, nesting, skip, misuse."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+import metamode
+from metamode import ContextMisuseError
+from metamode._hooks import installed
+from metamode._stack import stack_depth
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 4, 2).float() / 4)))
+        self.register_buffer("passed_in", torch.ones(2) * 0 + torch.tensor([1.0, 2.0]))
+
+
+# -- placement ---------------------------------------------------------------
+
+
+def test_parameters_go_to_meta_and_buffers_stay_real_by_default():
+    with metamode.empty_weights():
+        model = WithBuffer()
+    assert model.linear.weight.is_meta and model.linear.bias.is_meta
+    assert model.inv_freq.device.type == "cpu"
+    assert torch.allclose(model.inv_freq, torch.tensor([1.0, 0.01]))
+
+
+def test_include_buffers_places_buffers_and_factories_like_torch_device():
+    outside = torch.ones(2)
+    with metamode.empty_weights(include_buffers=True):
+        model = WithBuffer()
+        made = torch.zeros(3)
+        explicit = torch.zeros(3, device="cpu")
+        model.register_buffer("registered_real", outside)
+    assert model.linear.weight.is_meta
+    assert model.inv_freq.is_meta and made.is_meta
+    assert explicit.device.type == "cpu", "an explicit device= must win, as in torch.device"
+    assert model.registered_real.is_meta, "registered buffers move too"
+    assert outside.device.type == "cpu", "the caller's tensor itself is untouched"
+
+
+def test_parameter_metadata_is_kept():
+    with metamode.empty_weights():
+        layer = nn.Linear(5, 7, dtype=torch.float64)
+        layer.frozen = nn.Parameter(torch.empty(2), requires_grad=False)
+    assert layer.weight.shape == (7, 5) and layer.weight.dtype == torch.float64
+    assert layer.weight.requires_grad and not layer.frozen.requires_grad
+    assert type(layer.weight) is nn.Parameter
+
+
+def test_other_device_is_supported():
+    with metamode.init_on_device("cpu"):
+        layer = nn.Linear(2, 2)
+    assert layer.weight.device.type == "cpu"
+
+
+def test_parameter_already_on_target_keeps_identity():
+    param = nn.Parameter(torch.empty(3, device="meta"))
+    module = nn.Module()
+    with metamode.empty_weights():
+        module.p = param
+    assert module.p is param
+
+
+def test_parameter_registered_with_none_is_allowed():
+    with metamode.empty_weights():
+        layer = nn.Linear(2, 2, bias=False)
+    assert layer.bias is None and layer.weight.is_meta
+
+
+# -- Parameter subclasses ------------------------------------------------------
+
+
+class TaggedParam(nn.Parameter):
+    """Constructor takes no extra arguments; attributes are set afterwards."""
+
+
+class QuantParam(nn.Parameter):
+    """bitsandbytes-style: every attribute is a constructor argument."""
+
+    def __new__(cls, data=None, requires_grad=False, quant_state=None, blocksize=64):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.quant_state = quant_state
+        self.blocksize = blocksize
+        self.constructed_by_new = True
+        return self
+
+
+class StrictParam(nn.Parameter):
+    """A constructor that refuses both calling conventions."""
+
+    def __new__(cls, data, *, token):
+        self = torch.Tensor._make_subclass(cls, data, False)
+        self.token = token
+        return self
+
+
+def test_parameter_subclasses_keep_class_and_attributes():
+    tagged = TaggedParam(torch.empty(2, 2))
+    tagged.role = "gate"
+    quant = QuantParam(torch.empty(4), requires_grad=False, quant_state={"s": 1}, blocksize=32)
+    strict = StrictParam(torch.empty(3), token="x")
+    module = nn.Module()
+    with metamode.empty_weights():
+        module.tagged, module.quant, module.strict = tagged, quant, strict
+    assert type(module.tagged) is TaggedParam and module.tagged.role == "gate"
+    assert module.tagged.requires_grad
+    assert type(module.quant) is QuantParam and module.quant.is_meta
+    assert module.quant.quant_state == {"s": 1} and module.quant.blocksize == 32
+    assert module.quant.constructed_by_new and not module.quant.requires_grad
+    assert type(module.strict) is StrictParam and module.strict.token == "x"
+    assert module.strict.is_meta
+    assert "requires_grad" not in tagged.__dict__, "the original must not be mutated"
+    assert tagged.device.type == "cpu"
+
+
+# -- ties ------------------------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_stay_tied():
+    with metamode.empty_weights():
+        model = TiedLM()
+    assert model.head.weight is model.embed.weight and model.head.weight.is_meta
+
+
+def test_same_original_registered_twice_maps_to_one_moved_parameter():
+    shared = nn.Parameter(torch.empty(3))
+    a, b = nn.Module(), nn.Module()
+    with metamode.empty_weights():
+        a.w = shared
+        b.w = shared
+    assert a.w is b.w and a.w.is_meta
+
+
+def test_tie_memory_is_per_context():
+    shared = nn.Parameter(torch.empty(3))
+    a, b = nn.Module(), nn.Module()
+    with metamode.empty_weights():
+        a.w = shared
+    with metamode.empty_weights():
+        b.w = shared
+    assert a.w is not b.w
+
+
+# -- nesting and skip -------------------------------------------------------------
+
+
+def test_active_reports_innermost_context():
+    assert metamode.active() is None
+    with metamode.empty_weights() as outer:
+        assert metamode.active() is outer
+        with metamode.empty_weights(include_buffers=True) as inner:
+            assert metamode.active() is inner
+            assert torch.empty(1).is_meta
+        assert metamode.active() is outer
+        assert not torch.empty(1).is_meta
+    assert metamode.active() is None
+
+
+def test_skip_suspends_parameters_and_factories():
+    with metamode.empty_weights(include_buffers=True):
+        with metamode.skip_empty_weights():
+            assert metamode.active() is None
+            layer = nn.Linear(2, 2)
+            made = torch.zeros(2)
+        after = nn.Linear(2, 2)
+    assert layer.weight.device.type == "cpu" and made.device.type == "cpu"
+    assert after.weight.is_meta, "the context resumes after the skip"
+
+
+def test_skip_does_not_skip_init_of_real_tensors():
+    torch.manual_seed(0)
+    with metamode.empty_weights(), metamode.skip_empty_weights():
+        layer = nn.Linear(4, 4)
+    assert layer.weight.abs().sum() > 0
+
+
+def test_context_entered_inside_skip_is_active():
+    with metamode.empty_weights(), metamode.skip_empty_weights():
+        with metamode.empty_weights() as inner:
+            assert metamode.active() is inner
+            assert nn.Linear(2, 2).weight.is_meta
+        assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_skip_without_context_is_harmless():
+    with metamode.skip_empty_weights():
+        assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_decorators_give_each_call_a_fresh_context():
+    @metamode.empty_weights()
+    def build() -> nn.Module:
+        return nn.Linear(2, 2)
+
+    @metamode.skip_empty_weights()
+    def build_real() -> nn.Module:
+        return nn.Linear(2, 2)
+
+    assert build().weight.is_meta and build().weight.is_meta
+    with metamode.empty_weights():
+        assert build_real().weight.device.type == "cpu"
+    assert build.__name__ == "build"
+
+
+def test_decorating_async_or_generator_functions_is_refused():
+    async def coroutine() -> None: ...
+
+    def generator():
+        yield
+
+    with pytest.raises(TypeError, match="async"):
+        metamode.empty_weights()(coroutine)
+    with pytest.raises(TypeError, match="generator"):
+        metamode.skip_empty_weights()(generator)
+
+
+# -- skipped initialisation -------------------------------------------------------------
+
+
+def test_init_is_skipped_only_for_meta_tensors():
+    torch.manual_seed(0)
+    with metamode.empty_weights():
+        real = torch.zeros(4)
+        torch.nn.init.uniform_(real)
+        real.fill_(3.0)
+        meta = torch.empty(4, device="meta")
+        assert torch.nn.init.kaiming_uniform_(meta.view(2, 2)).is_meta
+        assert torch.nn.init.normal_(tensor=meta) is meta
+    assert torch.equal(real, torch.full((4,), 3.0))
+
+
+# -- misuse -------------------------------------------------------------------------------------
+
+
+def test_reentering_a_context_is_refused():
+    context = metamode.empty_weights()
+    with context:
+        pass
+    with pytest.raises(ContextMisuseError, match="single-use"), context:
+        pass
+    assert stack_depth() == 0
+
+
+def test_out_of_order_exit_raises_and_keeps_the_newer_context():
+    outer, inner = metamode.empty_weights(), metamode.empty_weights(include_buffers=True)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(ContextMisuseError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    assert metamode.active() is inner and torch.empty(1).is_meta
+    inner.__exit__(None, None, None)
+    assert stack_depth() == 0 and metamode.active() is None
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_exit_in_another_thread_is_refused_and_owner_can_still_exit():
+    context = metamode.empty_weights()
+    context.__enter__()
+    errors: list[BaseException] = []
+
+    def exit_elsewhere() -> None:
+        try:
+            context.__exit__(None, None, None)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=exit_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], ContextMisuseError)
+    assert "entered in thread" in str(errors[0])
+    assert metamode.active() is context
+    context.__exit__(None, None, None)
+    assert stack_depth() == 0
+
+
+def test_exiting_a_context_that_was_never_entered_is_refused():
+    with pytest.raises(ContextMisuseError, match="not active"):
+        metamode.empty_weights().__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("device", ["not-a-device", "cuda:x", 3.5])
+def test_invalid_device_is_refused_up_front(device):
+    with pytest.raises(ValueError, match="device"):
+        metamode.empty_weights(device=device)
+
+
+def test_unavailable_device_is_refused_up_front():
+    if torch.cuda.is_available():
+        pytest.fail("this check needs a torch build without CUDA devices")
+    with pytest.raises(ValueError, match="cuda"):
+        metamode.empty_weights(device="cuda")
+
+
+def test_include_buffers_must_be_bool():
+    with pytest.raises(TypeError):
+        metamode.empty_weights(include_buffers="yes")
+
+
+def test_exception_inside_restores_the_stack_exactly():
+    with metamode.empty_weights() as outer:
+        depth = stack_depth()
+        with pytest.raises(KeyError), metamode.empty_weights(), metamode.skip_empty_weights():
+            raise KeyError("boom")
+        assert stack_depth() == depth and metamode.active() is outer
+    assert stack_depth() == 0
+
+
+def test_accelerate_signature_alias_reads_the_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "yes")
+    assert metamode.init_empty_weights().include_buffers
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "0")
+    assert not metamode.init_empty_weights().include_buffers
+    assert metamode.init_empty_weights(include_buffers=True).include_buffers
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "maybe")
+    with pytest.raises(ValueError, match="truth value"):
+        metamode.init_empty_weights()
+
+
+# -- global state ----------------------------------------------------------------------------------
+
+
+def test_hooks_are_installed_at_import_and_contexts_do_not_touch_them():
+    assert installed()
+    before = (
+        tuple(torch_module._global_parameter_registration_hooks),
+        tuple(torch_module._global_buffer_registration_hooks),
+        dict(vars(nn.Module)),
+    )
+    with metamode.empty_weights(include_buffers=True), metamode.skip_empty_weights():
+        during = (
+            tuple(torch_module._global_parameter_registration_hooks),
+            tuple(torch_module._global_buffer_registration_hooks),
+            dict(vars(nn.Module)),
+        )
+    assert before == during
+
+
+def test_reimporting_the_hooks_module_installs_nothing_new():
+    import importlib
+
+    import metamode._hooks as hooks
+
+    count = len(torch_module._global_parameter_registration_hooks)
+    importlib.reload(hooks)
+    assert len(torch_module._global_parameter_registration_hooks) == count
+
+
+def test_context_does_not_leak_into_other_threads():
+    inside, outside = threading.Event(), threading.Event()
+    seen = {}
+
+    def bystander() -> None:
+        assert inside.wait(30)
+        seen["device"] = nn.Linear(2, 2).weight.device.type
+        seen["factory"] = torch.empty(1).device.type
+        seen["active"] = metamode.active()
+        outside.set()
+
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    with metamode.empty_weights(include_buffers=True):
+        inside.set()
+        assert outside.wait(30)
+        assert nn.Linear(2, 2).weight.is_meta
+    thread.join()
+    assert seen == {"device": "cpu", "factory": "cpu", "active": None}
