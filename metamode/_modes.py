@@ -169,8 +169,9 @@ class EmptyWeights(ThreadScopedMode):
     module:
 
     * with ``include_buffers=True`` it points factory functions at ``device``,
-      exactly like ``with torch.device(device)`` (same constructor set), but
-      without that context's process-global ``CURRENT_DEVICE``;
+      exactly like ``with torch.device(device)`` (torch's own constructor
+      list), inside this mode, so nesting order is kept -- torch always moves
+      a ``DeviceContext`` to the bottom of the stack;
     * it returns early from value-initialising calls on meta tensors
       (``nn.init.*``, ``uniform_``, ``fill_``, ...): on meta they compute
       nothing, yet cost a Python meta kernel each. See

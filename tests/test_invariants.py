@@ -1,0 +1,50 @@
+"""The suite-wide guard (tests/conftest.py) must be able to fail: it sees each kind of leak."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from metamode._invariants import snapshot
+
+
+class _Passthrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_snapshot_sees_every_kind_of_leak(monkeypatch):
+    before = snapshot()
+    assert snapshot().changes_since(before) == []
+
+    monkeypatch.setattr(nn.Module, "register_parameter", lambda *args: None)
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *a, **k: tensor)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: None)
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(lambda *a: None)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    mode = _Passthrough()
+    mode.__enter__()
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        mode.__exit__(None, None, None)
+        torch.set_default_dtype(old_dtype)
+        handle.remove()
+    assert "torch.nn.Module.register_parameter replaced" in changes
+    assert "torch.nn.init.normal_ replaced" in changes
+    assert "torch.empty replaced" in changes
+    assert "torch.nn.modules.module._global_parameter_registration_hooks changed" in changes
+    assert "default dtype torch.float32 -> torch.float64" in changes
+    assert "this thread's torch-function mode stack depth 0 -> 1" in changes
+
+
+def test_default_device_change_is_seen():
+    before = snapshot()
+    torch.set_default_device("meta")
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        torch.set_default_device(None)
+    assert any(change.startswith("default device") for change in changes)
