@@ -1,0 +1,523 @@
+"""``metamode.doctor()``: find, and on request repair, what others left in torch.
+
+Empty-weight helpers in other libraries work by patching process-wide
+state, and a patch that is lost (two threads, an exception at the wrong
+moment, a generator never closed) stays behind: every model built afterwards
+in *any* thread silently lands on ``meta``. A notebook user should not have
+to restart the kernel to recover, and should learn who left it.
+
+What is checked, in the running process:
+
+* ``torch.nn.Module``'s methods (``register_parameter``, ``register_buffer``,
+  ...) are torch's own;
+* ``torch.nn.init``'s functions are torch's own, in ``torch.nn.init`` and in
+  every loaded torch module that bound them by name
+  (``from torch.nn.init import xavier_uniform_``);
+* ``torch.empty``, ``zeros``, ``ones``, ``full``, ``linspace`` and the other
+  factories are torch's C functions (also where bound by name);
+* the default dtype is ``float32`` and no default device is in force;
+* PEFT's ``_init_on_device._skip`` flag is not left set;
+* no torch-function mode is left on the calling thread's stack;
+* metamode's own registration hooks are installed.
+
+Originals are recognised by *where they are defined*, not by a snapshot
+taken at import (see :mod:`metamode._originals`), so the doctor is right even
+when metamode is imported after the damage. Each finding names the
+replacement's module and qualified name: that is who left it.
+
+``repair=True`` is the one place metamode assigns a torch attribute: only on
+request, and only to put torch's own object back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+
+import torch
+import torch.nn.init
+import torch.utils._device
+from torch.nn.modules import module as _torch_module
+
+from metamode import _hooks, _originals, _stack
+from metamode._invariants import FACTORY_NAMES
+from metamode._originals import FunctionSlot
+
+__all__ = ["DoctorReport", "Finding", "doctor", "main"]
+
+_MISSING = object()
+
+# Used only when torch's source files are not installed (zipped / .pyc-only).
+_FALLBACK_INIT_FUNCTIONS = (
+    "calculate_gain", "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+    "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "orthogonal_", "sparse_",
+)  # fmt: skip
+_FALLBACK_MODULE_METHODS = (
+    "register_parameter", "register_buffer", "register_module", "add_module", "__setattr__",
+    "__getattr__", "to", "to_empty", "apply", "_apply", "load_state_dict", "state_dict",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing that is not as torch leaves it.
+
+    Attributes:
+        target: what is affected, e.g. ``"torch.nn.Module.register_parameter"``.
+        problem: what is wrong with it.
+        culprit: who probably left it: the replacement's ``module.qualname``
+            (and file:line), or None when the state carries no trace of it.
+        action: after ``repair=True``, what was done (or why nothing could be).
+        repaired: True/False after a repair attempt, None without one.
+    """
+
+    target: str
+    problem: str
+    culprit: str | None = None
+    action: str | None = None
+    repaired: bool | None = None
+    _repair: Callable[[_Recovered], str] | None = field(default=None, repr=False, compare=False)
+    _slot: FunctionSlot | None = field(default=None, repr=False, compare=False)
+    _current: object = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        lines = [f"{self.target}: {self.problem}"]
+        if self.culprit:
+            lines.append(f"    left by: {self.culprit}")
+        if self.action:
+            lines.append(f"    {'repaired' if self.repaired else 'NOT repaired'}: {self.action}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """What :func:`doctor` found and, with ``repair=True``, did.
+
+    ``ok`` is True when nothing was found. After a repair, ``remaining`` lists
+    what a fresh check still finds (empty when the repair fully worked).
+    Prints as a readable report; ``python -m metamode doctor`` exits 1 unless
+    ``ok``.
+    """
+
+    findings: tuple[Finding, ...]
+    repair_attempted: bool = False
+    remaining: tuple[Finding, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def repaired(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.repaired)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "metamode doctor: torch's global state is clean (nothing found)."
+        count = len(self.findings)
+        head = f"metamode doctor: {count} finding{'s' if count != 1 else ''}"
+        if self.repair_attempted:
+            head += f"; repaired {len(self.repaired)}, {len(self.remaining)} remain"
+            if self.remaining:
+                head += " (restart the process to recover fully)"
+        else:
+            head += "; run metamode.doctor(repair=True) to restore torch's originals"
+        body = "\n".join(f"- {finding}".replace("\n", "\n  ") for finding in self.findings)
+        return f"{head}\n{body}"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def doctor(repair: bool = False) -> DoctorReport:
+    """Inspect this process for global torch patches and leftovers.
+
+    Args:
+        repair: restore torch's originals (functions, default dtype/device),
+            clear PEFT's stale flag and pop modes left on the calling thread's
+            stack, then check again.
+
+    Returns a :class:`DoctorReport`; ``print`` it to read it. Per-thread
+    state (the mode stack, ``torch.set_default_device``) is the calling
+    thread's. Do not call ``repair=True`` inside a ``with`` block of any
+    torch-function mode: it would be popped. Repair while no other thread is
+    inside a patching context: such a context puts back, on exit, whatever it
+    captured on entry -- possibly another thread's patch.
+    """
+    findings = _examine()
+    if not repair:
+        return DoctorReport(findings, repair_attempted=False, remaining=findings)
+    originals = _Recovered(findings)
+    done = tuple(_apply_repair(finding, originals) for finding in findings)
+    return DoctorReport(done, repair_attempted=True, remaining=_examine())
+
+
+class _Recovered:
+    """torch's originals for every replaced Python function, recovered together.
+
+    One walk of the heap serves all findings (it is the slow step: a pass
+    over every object the garbage collector tracks).
+    """
+
+    def __init__(self, findings: tuple[Finding, ...]) -> None:
+        self._wanted = {f._slot: f._current for f in findings if f._slot is not None}
+        self._found: dict[FunctionSlot, tuple[object, str]] | None = None
+
+    def get(self, slot: FunctionSlot) -> tuple[object, str] | None:
+        if self._found is None:
+            currents = {k: None if v is _MISSING else v for k, v in self._wanted.items()}
+            self._found = _originals.recover_all(self._wanted, currents)
+        return self._found.get(slot)
+
+
+def _apply_repair(finding: Finding, originals: _Recovered) -> Finding:
+    if finding._repair is None:
+        return replace(finding, action="no automatic repair", repaired=False)
+    try:
+        action = finding._repair(originals)
+    except _CannotRepair as error:
+        return replace(finding, action=str(error), repaired=False)
+    except Exception as error:  # a repair must never take the report down with it
+        return replace(finding, action=f"failed: {type(error).__name__}: {error}", repaired=False)
+    return replace(finding, action=action, repaired=True)
+
+
+class _CannotRepair(Exception):
+    pass
+
+
+def _examine() -> tuple[Finding, ...]:
+    module_slots = _module_layout()
+    init_slots = {name: FunctionSlot(torch.nn.init, name) for name in _init_names()}
+    findings: list[Finding] = []
+    findings += _check_slots(torch.nn.Module, "torch.nn.Module", module_slots)
+    findings += _check_slots(torch.nn.init, "torch.nn.init", init_slots)
+    findings += _check_factories(torch, "torch")
+    findings += _check_bound_by_name(init_slots)
+    findings += _check_hooks()
+    findings += _check_peft_skip()
+    findings += _check_default_dtype()
+    findings += _check_default_device()
+    findings += _check_modes()
+    return tuple(findings)
+
+
+# -- torch functions ----------------------------------------------------------
+
+
+def _module_layout() -> dict[str, FunctionSlot]:
+    layout = _originals.class_layout(torch.nn.Module)
+    if layout is None:
+        layout = {n: FunctionSlot(_torch_module, f"Module.{n}") for n in _FALLBACK_MODULE_METHODS}
+    return layout
+
+
+def _init_names() -> list[str]:
+    return _originals.public_functions(torch.nn.init) or list(_FALLBACK_INIT_FUNCTIONS)
+
+
+def _factory_names() -> list[str]:
+    return [name for name in FACTORY_NAMES if _originals.builtin_original(name) is not None]
+
+
+def _restore_function(owner: object, name: str, slot: FunctionSlot, originals: _Recovered) -> str:
+    found = originals.get(slot)
+    if found is None:
+        raise _CannotRepair(
+            f"torch's {slot.label} could not be found (no reference survives and the "
+            f"source file is unavailable or differs)"
+        )
+    original, how = found
+    setattr(owner, name, original)
+    return f"restored {slot.label} ({how})"
+
+
+def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> list[Finding]:
+    findings = []
+    namespace = vars(owner)
+    for name, slot in slots.items():
+        current = namespace.get(name, _MISSING)
+        if current is not _MISSING and slot.is_original(current):
+            continue
+        if current is _MISSING:
+            problem, culprit = "missing (deleted from the namespace)", None
+        else:
+            problem, culprit = "is not torch's own", _originals.describe(current)
+        findings.append(
+            Finding(
+                f"{label}.{name}",
+                problem,
+                culprit,
+                _repair=lambda found, o=owner, n=name, s=slot: _restore_function(o, n, s, found),
+                _slot=slot,
+                _current=current,
+            )
+        )
+    return findings
+
+
+def _check_factories(
+    owner: ModuleType, label: str, names: list[str] | None = None
+) -> list[Finding]:
+    findings = []
+    for name in names if names is not None else _factory_names():
+        current = vars(owner).get(name, _MISSING)
+        original = _originals.builtin_original(name)
+        if current is original:
+            continue
+        findings.append(
+            Finding(
+                f"{label}.{name}",
+                "missing" if current is _MISSING else "is not torch's own",
+                None if current is _MISSING else _originals.describe(current),
+                _repair=lambda _, o=owner, n=name, v=original: _set(
+                    o, n, v, f"restored torch._C._VariableFunctions.{n}"
+                ),
+            )
+        )
+    return findings
+
+
+def _set(owner: object, name: str, value: object, action: str) -> str:
+    setattr(owner, name, value)
+    return action
+
+
+def _check_bound_by_name(init_slots: dict[str, FunctionSlot]) -> list[Finding]:
+    """torch modules that did ``from torch.nn.init import f`` / ``from torch import empty``.
+
+    A patcher that wants to catch every caller (transformers'
+    ``guard_torch_init_functions``) replaces those bindings too. Only values
+    that are not torch's own are looked at, and a module counts as binding
+    the name only if its source imports it from there, so a module's own
+    function of the same name (``torch._refs.zeros``) is never reported.
+    """
+    factory_names = _factory_names()
+    findings: list[Finding] = []
+    for module_name, module in sorted(sys.modules.items()):
+        if (
+            not isinstance(module, ModuleType)
+            or not module_name.startswith("torch.")
+            or module is torch.nn.init
+        ):
+            continue
+        namespace = vars(module)
+        for name, slot in init_slots.items():
+            value = namespace.get(name, _MISSING)
+            if value is _MISSING or slot.is_original(value) or _originals.defined_in_torch(value):
+                continue
+            if _binds(module, name, "torch.nn.init"):
+                findings += _check_slots(module, module_name, {name: slot})
+        for name in factory_names:
+            value = namespace.get(name, _MISSING)
+            if value is _MISSING or value is _originals.builtin_original(name):
+                continue
+            if not _originals.defined_in_torch(value) and _binds(module, name, "torch"):
+                findings += _check_factories(module, module_name, [name])
+    return findings
+
+
+def _binds(module: ModuleType, name: str, source: str) -> bool:
+    # Without the module's source we cannot tell a binding from a namesake,
+    # and a false alarm is worse than a miss here: say nothing.
+    return _originals.imported_from(module, name) == (source, name)
+
+
+# -- other global state ---------------------------------------------------------
+
+
+def _check_hooks() -> list[Finding]:
+    if _hooks.installed():
+        return []
+
+    def reinstall(_: object) -> str:
+        _hooks._install()
+        return "re-registered metamode's parameter and buffer registration hooks"
+
+    return [
+        Finding(
+            "torch.nn.modules.module global registration hooks",
+            "metamode's hooks are missing (were torch's global hook dicts cleared?); "
+            "metamode contexts will not move parameters",
+            _repair=reinstall,
+        )
+    ]
+
+
+def _peft_init_on_device_functions() -> list[object]:
+    integrations = sys.modules.get("peft.utils.integrations")
+    if integrations is None:
+        return []
+    functions = [vars(integrations).get("_init_on_device")]
+    from metamode.integrations import _peft
+
+    functions.append(_peft._PEFT._originals.get("_init_on_device"))
+    return [f for f in dict.fromkeys(functions) if f is not None]
+
+
+def _check_peft_skip() -> list[Finding]:
+    findings = []
+    for function in _peft_init_on_device_functions():
+        flag = vars(function).get("_skip", False) if hasattr(function, "__dict__") else False
+        if flag is False:
+            continue
+
+        def clear(_: object, f=function) -> str:
+            vars(f).pop("_skip", None)
+            return "cleared the flag"
+
+        findings.append(
+            Finding(
+                f"{_originals.describe(function).split(' (')[0]}._skip",
+                f"is {flag!r}: PEFT will not move any parameter to meta in any thread "
+                f"(stale unless another thread is inside skip_init_on_device right now)",
+                "peft.utils.integrations._skip_init_on_device (a skip_init_on_device block "
+                "that never exited)",
+                _repair=clear,
+            )
+        )
+    return findings
+
+
+def _check_default_dtype() -> list[Finding]:
+    dtype = torch.get_default_dtype()
+    if dtype is torch.float32:
+        return []
+
+    def restore(_: object) -> str:
+        torch.set_default_dtype(torch.float32)
+        return "torch.set_default_dtype(torch.float32)"
+
+    return [
+        Finding(
+            "default dtype",
+            f"is {dtype}, not torch.float32",
+            "unknown: something called torch.set_default_dtype() and did not restore it",
+            _repair=restore,
+        )
+    ]
+
+
+def _device_contexts_on_stack() -> list[torch.utils._device.DeviceContext]:
+    return [
+        m
+        for m in _stack.modes_innermost_first()
+        if isinstance(m, torch.utils._device.DeviceContext)
+    ]
+
+
+def _check_default_device() -> list[Finding]:
+    findings = []
+    global_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    if global_context is not None:
+        findings.append(
+            Finding(
+                "default device (this thread)",
+                f"torch.set_default_device({str(global_context.device)!r}) is in force",
+                "unknown: something called torch.set_default_device() and did not reset it",
+                _repair=_reset_default_device,
+            )
+        )
+    for mode in _device_contexts_on_stack():
+        if mode is global_context:
+            continue
+        findings.append(
+            Finding(
+                "default device (this thread)",
+                f"a `with torch.device({str(mode.device)!r})` block was never exited",
+                _originals.describe(type(mode)),
+                _repair=_reset_default_device,
+            )
+        )
+    current = torch.utils._device.CURRENT_DEVICE
+    if current is not None and not findings:
+        findings.append(
+            Finding(
+                "torch.utils._device.CURRENT_DEVICE",
+                f"is {current} with no device context in this thread (a torch.device "
+                f"context exited out of order, or another thread is inside one now)",
+                None,
+                _repair=_reset_default_device,
+            )
+        )
+    return findings
+
+
+def _reset_default_device(_: object) -> str:
+    # Several findings share this repair; the first call does the work.
+    done = []
+    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None:
+        try:
+            torch.set_default_device(None)
+        except AssertionError:  # torch's own exit found a stack it did not expect
+            torch._GLOBAL_DEVICE_CONTEXT.device_context = None
+        done.append("torch.set_default_device(None)")
+    for mode in _device_contexts_on_stack():
+        _stack.remove(mode)
+        done.append(f"removed torch.device({str(mode.device)!r}) from this thread's mode stack")
+    if torch.utils._device.CURRENT_DEVICE is not None:
+        torch.utils._device.CURRENT_DEVICE = None
+        done.append("reset torch.utils._device.CURRENT_DEVICE to None")
+    return "; ".join(done) or "already reset by the repair above"
+
+
+def _check_modes() -> list[Finding]:
+    findings = []
+    for mode in _stack.modes_innermost_first():
+        if isinstance(mode, torch.utils._device.DeviceContext):
+            continue  # reported as a default device
+
+        def pop(_: object, m=mode) -> str:
+            if not _stack.remove(m):
+                return "already gone"
+            return f"removed {m!r} from this thread's torch-function mode stack"
+
+        findings.append(
+            Finding(
+                "torch-function mode stack (this thread)",
+                f"{mode!r} is active (left behind, unless doctor() was called inside its block)",
+                _originals.describe(type(mode)),
+                _repair=pop,
+            )
+        )
+    return findings
+
+
+# -- command line ---------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m metamode doctor [--repair] [--import MODULE ...]``.
+
+    Exit status 0 when nothing was found, 1 otherwise (also after a repair:
+    the process *was* corrupted). ``--import`` imports modules first, to
+    check that importing a library leaves torch alone.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m metamode doctor",
+        description="Find (and optionally repair) global patches left in torch.",
+    )
+    parser.add_argument("--repair", action="store_true", help="restore torch's originals")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before checking (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    for name in args.imports:
+        importlib.import_module(name)
+    report = doctor(repair=args.repair)
+    print(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

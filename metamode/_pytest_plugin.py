@@ -1,0 +1,123 @@
+"""pytest plugin: fail tests that leave global torch state changed.
+
+A test that builds a model through a helper which patches torch (or leaves a
+mode on the stack, or a default dtype) passes -- and every test after it runs
+in a corrupted process, failing somewhere far away. This plugin reports the
+leak at the test that caused it, naming what changed and, for replaced
+functions, what replaced them.
+
+Enable it (it is registered under the ``pytest11`` entry point ``metamode``,
+or with ``-p metamode._pytest_plugin``), then either
+
+* strict mode for every test: ``pytest --metamode-strict``, or in the ini
+  file ``metamode_strict = true``; or
+* one test at a time: request the ``metamode_clean`` fixture.
+
+What is compared is :func:`metamode._invariants.snapshot` -- attributes of
+``torch.nn.Module``, ``torch.nn.init``, torch's factories and ``torch.Tensor``,
+torch's global registration hooks, default dtype and device, and the test
+thread's mode stack -- before the test's function-scoped fixtures are set up
+and after they are torn down. Session-, module- and class-scoped fixtures
+are outside that window, so a fixture that deliberately sets global state
+for a whole module is not blamed on its first test. A leak is reported as an
+error at the test's teardown (pytest's category for a failure detected
+there); the process is not repaired -- ``metamode.doctor(repair=True)`` does
+that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from metamode._invariants import Snapshot, snapshot
+from metamode._originals import describe
+
+__all__ = ["metamode_clean", "pytest_addoption"]
+
+_NAMESPACES = {
+    "torch.nn.Module": torch.nn.Module,
+    "torch.nn.init": torch.nn.init,
+    "torch.Tensor": torch.Tensor,
+    "torch": torch,
+}
+_CHANGED_NAME = re.compile(
+    r"^(torch(?:\.nn\.Module|\.nn\.init|\.Tensor)?)\.(\w+) (replaced|added)$"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("metamode", "metamode: global torch state checks")
+    group.addoption(
+        "--metamode-strict",
+        action="store_true",
+        default=None,
+        dest="metamode_strict",
+        help="fail every test that leaves global torch state changed "
+        "(patched torch functions, default dtype/device, modes left on the stack)",
+    )
+    parser.addini(
+        "metamode_strict",
+        type="bool",
+        default=False,
+        help="like --metamode-strict, for every run",
+    )
+
+
+def _strict(config: pytest.Config) -> bool:
+    flag = config.getoption("metamode_strict", default=None)
+    return bool(config.getini("metamode_strict")) if flag is None else bool(flag)
+
+
+def _leak_message(before: Snapshot) -> str | None:
+    changes = snapshot().changes_since(before)
+    if not changes:
+        return None
+    described = []
+    for change in changes:
+        match = _CHANGED_NAME.match(change)
+        if match:
+            value = vars(_NAMESPACES[match.group(1)]).get(match.group(2))
+            if value is not None:
+                change += f" (now {describe(value)})"
+        described.append(change)
+    return (
+        "metamode: test left global torch state changed: "
+        + "; ".join(described)
+        + ". Later tests run in the changed process; metamode.doctor(repair=True) restores "
+        "torch's originals."
+    )
+
+
+def _checked(before: Snapshot) -> None:
+    message = _leak_message(before)
+    if message:
+        pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _metamode_strict_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Autouse fixtures from plugins are set up first and torn down last among
+    # a test's function-scoped fixtures: the window covers all of them.
+    if not _strict(request.config):
+        yield
+        return
+    before = snapshot()
+    yield
+    _checked(before)
+
+
+@pytest.fixture
+def metamode_clean(request: pytest.FixtureRequest) -> Iterator[Snapshot]:
+    """Fail this test if it leaves global torch state changed, naming what changed.
+
+    Yields the snapshot taken before the test. In strict mode every test is
+    already checked, and this fixture adds nothing.
+    """
+    before = snapshot()
+    yield before
+    if not _strict(request.config):
+        _checked(before)

@@ -1,0 +1,257 @@
+"""Testing helpers for code that builds models on ``meta``: :func:`hammer`.
+
+This is how a tuner author tests a custom tuner's ``low_cpu_mem_usage``
+path: call it from many threads at once, many times, and check after every
+round that the process is as it was. A context that patches torch globally
+(PEFT's own ``init_empty_weights``, accelerate's) fails within a few rounds;
+a thread-scoped one (:func:`metamode.empty_weights`) passes::
+
+    import metamode
+    from metamode.testing import hammer
+    from peft import inject_adapter_in_model
+
+    metamode.enable_for_peft()
+
+    def build_and_inject():
+        model = MyBlock()
+        inject_adapter_in_model(MyTunerConfig(...), model, low_cpu_mem_usage=True)
+        for name, param in model.named_parameters():
+            on_meta = "my_adapter_" in name  # new adapter weights: meta; the rest: real
+            assert param.is_meta == on_meta, f"{name} on {param.device}"
+
+    report = hammer(build_and_inject, threads=8, rounds=200)
+    assert report.ok, report  # prints the first failure with its traceback
+
+``fn`` should itself assert what must hold for *its* result (where its
+parameters are); ``hammer`` adds the checks no single call can make.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch.overrides import _pop_mode
+
+from metamode._invariants import snapshot
+from metamode._stack import modes_innermost_first, stack_depth
+
+__all__ = ["HammerFailure", "HammerReport", "hammer"]
+
+
+@dataclass(frozen=True)
+class HammerFailure:
+    """One thing that went wrong in one round.
+
+    Attributes:
+        round: 0-based round number.
+        thread: the worker (0 .. threads-1), or None for a process-wide check
+            made in the calling thread after the round.
+        kind: ``"exception"`` (``fn`` raised), ``"thread state"`` (``fn`` left
+            torch-function modes on its thread's stack), ``"process state"``
+            (global torch state changed) or ``"timeout"``.
+        message: what happened.
+        traceback: the formatted traceback for ``"exception"``, else ``""``.
+    """
+
+    round: int
+    thread: int | None
+    kind: str
+    message: str
+    traceback: str = ""
+
+    def __str__(self) -> str:
+        where = "after the round" if self.thread is None else f"thread {self.thread}"
+        text = f"round {self.round}, {where}: {self.kind}: {self.message}"
+        return f"{text}\n{self.traceback.rstrip()}" if self.traceback else text
+
+
+@dataclass(frozen=True)
+class HammerReport:
+    """What :func:`hammer` saw. ``ok`` is True when nothing failed.
+
+    ``rounds`` is the number of rounds run (fewer than requested when it
+    stopped at the first failing round); ``calls`` is how many times ``fn``
+    was called. ``str()`` shows the first failure's traceback.
+    """
+
+    threads: int
+    rounds: int
+    rounds_requested: int
+    calls: int
+    failures: tuple[HammerFailure, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def first_failure(self) -> HammerFailure | None:
+        return self.failures[0] if self.failures else None
+
+    def __str__(self) -> str:
+        run = f"{self.rounds} of {self.rounds_requested} rounds x {self.threads} threads"
+        if self.ok:
+            return f"hammer: ok ({run}, {self.calls} calls)"
+        failed_rounds = len({f.round for f in self.failures})
+        return (
+            f"hammer: FAILED: {len(self.failures)} failures in {failed_rounds} rounds ({run}, "
+            f"{self.calls} calls)\nfirst failure: {self.first_failure}"
+        )
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def hammer(
+    fn: Callable[[], object],
+    threads: int = 8,
+    rounds: int = 200,
+    switch_interval: float = 1e-6,
+    *,
+    stop_on_failure: bool = True,
+    timeout: float = 60.0,
+) -> HammerReport:
+    """Call ``fn()`` in ``threads`` threads at once, ``rounds`` times; check after each round.
+
+    Each round, a barrier releases every worker thread at the same moment,
+    each calls ``fn()`` with no arguments, and the calling thread waits for
+    all of them. Then it checks what no single call can:
+
+    * every ``fn()`` returned (an exception is a failure, with its traceback);
+    * every worker's torch-function mode stack is as deep as before its call
+      (leftover modes are recorded, then removed so rounds stay independent);
+    * global torch state -- ``torch.nn.Module`` and ``torch.nn.init``
+      attributes, factories, registration hooks, default dtype/device, the
+      calling thread's mode stack -- is what it was before the first round.
+
+    While it runs, ``sys.setswitchinterval(switch_interval)`` makes threads
+    switch every few bytecodes, so races show up in a few rounds instead of
+    one in a million; the interval is restored afterwards. The worker threads
+    are reused across rounds (state a call leaves on its thread reaches the
+    next round there).
+
+    Args:
+        fn: the code under test; it should raise if its own result is wrong.
+        threads: worker threads per round.
+        rounds: rounds to run.
+        switch_interval: the interpreter's thread switch interval meanwhile.
+        stop_on_failure: stop after the first round with a failure (later
+            rounds would run in a process the failure may have corrupted).
+        timeout: seconds to wait for one round before declaring a deadlock.
+
+    Returns a :class:`HammerReport`. The process is not repaired: after a
+    failure, ``metamode.doctor(repair=True)`` restores torch's originals.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    if threads < 1 or rounds < 1:
+        raise ValueError(f"threads and rounds must be >= 1 (got {threads}, {rounds})")
+    if switch_interval <= 0:
+        raise ValueError(f"switch_interval must be > 0 (got {switch_interval})")
+
+    start = threading.Barrier(threads + 1)
+    end = threading.Barrier(threads + 1)
+    lock = threading.Lock()
+    failures: list[HammerFailure] = []
+    calls = [0]
+    stopping = threading.Event()
+
+    def record(failure: HammerFailure) -> None:
+        with lock:
+            failures.append(failure)
+
+    def worker(index: int) -> None:
+        for round_index in range(rounds):
+            try:
+                start.wait()
+            except threading.BrokenBarrierError:
+                return
+            if stopping.is_set():
+                return
+            depth = stack_depth()
+            try:
+                fn()
+            except BaseException as error:
+                record(
+                    HammerFailure(
+                        round_index,
+                        index,
+                        "exception",
+                        f"{type(error).__name__}: {error}",
+                        traceback.format_exc(),
+                    )
+                )
+            left = list(modes_innermost_first())[: max(stack_depth() - depth, 0)]
+            if left:
+                record(
+                    HammerFailure(
+                        round_index,
+                        index,
+                        "thread state",
+                        f"fn() left {len(left)} torch-function mode(s) on its thread's stack: "
+                        f"{left!r}",
+                    )
+                )
+                for _ in left:
+                    _pop_mode()
+            with lock:
+                calls[0] += 1
+            try:
+                end.wait()
+            except threading.BrokenBarrierError:
+                return
+
+    before = snapshot()
+    reported: list[str] = []
+    completed = 0
+    old_interval = sys.getswitchinterval()
+    workers = [
+        threading.Thread(target=worker, args=(i,), name=f"hammer-{i}", daemon=True)
+        for i in range(threads)
+    ]
+    sys.setswitchinterval(switch_interval)
+    try:
+        for thread in workers:
+            thread.start()
+        for round_index in range(rounds):
+            try:
+                start.wait(timeout)
+                end.wait(timeout)
+            except threading.BrokenBarrierError:
+                record(
+                    HammerFailure(
+                        round_index,
+                        None,
+                        "timeout",
+                        f"the round did not finish within {timeout} s (fn() deadlocked or "
+                        f"blocked?); its threads were abandoned",
+                    )
+                )
+                break
+            completed = round_index + 1
+            changes = snapshot().changes_since(before)
+            if changes and changes != reported:
+                reported = changes
+                record(
+                    HammerFailure(
+                        round_index,
+                        None,
+                        "process state",
+                        "global torch state changed: " + "; ".join(changes),
+                    )
+                )
+            if failures and stop_on_failure:
+                break
+    finally:
+        stopping.set()
+        start.abort()
+        end.abort()
+        sys.setswitchinterval(old_interval)
+        for thread in workers:
+            thread.join(timeout)
+    with lock:
+        return HammerReport(threads, completed, rounds, calls[0], tuple(failures))
