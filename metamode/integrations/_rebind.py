@@ -4,9 +4,10 @@ The one place metamode changes another library's namespace. The rules:
 
 * Everything happens under one process-wide lock, and either every binding
   changes or none does (a failure part-way rolls back what was applied).
-* Targets are found by *identity*: every module of the library whose
-  namespace holds the original object, under any name -- not a hard-coded list
-  of ``from ... import`` sites, which would go stale with each release.
+* Targets are found by *identity*: every module of the library (and of the
+  packages named in ``scan``: libraries that import it) whose namespace holds
+  the original object, under any name -- not a hard-coded list of
+  ``from ... import`` sites, which would go stale with each release.
 * The library's home module is rebound too, so modules imported *later*
   pick up the replacement by their own ``from ... import``.
 * ``disable`` restores every binding that still holds our replacement,
@@ -37,12 +38,17 @@ class IncompatibleLibraryError(RuntimeError):
 
 @dataclass
 class Rebinding:
-    """Replace ``home_module``'s ``names`` (and every alias of them) in ``package``."""
+    """Replace ``home_module``'s ``names`` (and every alias of them) in ``package``.
+
+    ``scan`` names further top-level packages whose modules are searched for
+    aliases too (``from accelerate import init_empty_weights`` in diffusers).
+    """
 
     package: str
     extra: str  # the pip extra that installs the package
     home_module: str
     replacements: Mapping[str, Callable[..., Any]]
+    scan: tuple[str, ...] = ()
     _originals: dict[str, Any] = field(default_factory=dict)
     _applied: list[tuple[ModuleType, str, Any]] = field(default_factory=list)
 
@@ -112,18 +118,30 @@ class Rebinding:
     def _import_home(self) -> ModuleType:
         try:
             return importlib.import_module(self.home_module)
+        except ModuleNotFoundError as error:
+            if error.name == self.home_module and self._version() != "(unknown version)":
+                # Installed, but a release without the module the shim targets.
+                raise IncompatibleLibraryError(
+                    f"{self.package} {self._version()} has no module {self.home_module}; "
+                    f"metamode's shim targets releases that do, so nothing was changed."
+                ) from error
+            raise self._missing(error) from error
         except ImportError as error:
-            raise ImportError(
-                f"metamode's {self.package} integration needs {self.package}: "
-                f"pip install 'metamode[{self.extra}]' ({error})"
-            ) from error
+            raise self._missing(error) from error
+
+    def _missing(self, error: ImportError) -> ImportError:
+        return ImportError(
+            f"metamode's {self.package} integration needs {self.package}: "
+            f"pip install 'metamode[{self.extra}]' ({error})"
+        )
 
     def _library_modules(self) -> list[ModuleType]:
-        prefix = self.package + "."
+        packages = (self.package, *self.scan)
+        prefixes = tuple(package + "." for package in packages)
         return [
             module
             for name, module in list(sys.modules.items())
-            if isinstance(module, ModuleType) and (name == self.package or name.startswith(prefix))
+            if isinstance(module, ModuleType) and (name in packages or name.startswith(prefixes))
         ]
 
     def _version(self) -> str:

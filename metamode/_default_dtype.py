@@ -1,0 +1,237 @@
+"""``metamode.default_dtype(dtype)``: a per-thread default floating dtype.
+
+``torch.set_default_dtype`` is process-global. Loaders call it to build a model
+in half precision and put the old value back afterwards, so a concurrent load
+in another thread builds in the wrong dtype, and two overlapping loads can
+restore each other's values and leave the process in float16
+(pytorch#120819 and #144673 ask for a thread-local version; none exists).
+
+This mode gives the calling thread the part of that setting that matters
+when building a model: the dtype *factory functions* pick when none is
+given. The specification is "what the call would return after
+``torch.set_default_dtype(dtype)``", factory by factory
+(``tests/test_default_dtype.py`` checks it against the real setting):
+
+* always floating -- ``empty``, ``empty_strided``, ``empty_permuted``,
+  ``zeros``, ``ones``, ``rand``, ``randn``, ``eye``, ``scalar_tensor``, the
+  window functions, ``fft.fftfreq``/``rfftfreq``, and ``normal(mean, std,
+  size)`` with number arguments: ``dtype``;
+* inferred from a value's *kind* -- ``full`` (the fill value), ``arange``
+  (start/end/step), ``linspace``/``logspace`` (the endpoints; always
+  floating unless complex): a bool or integer stays ``bool``/``int64``, a
+  float (Python, NumPy or a 0-d tensor: only its kind counts) gives ``dtype``;
+* inferred from *data* -- ``tensor``, ``as_tensor``, ``asarray``: nested
+  lists/tuples of Python numbers containing a float (or no numbers at all,
+  like ``[]``) give ``dtype``; bools and ints stay ``bool``/``int64``; data
+  holding a NumPy array, NumPy scalar or tensor keeps its own dtype, exactly
+  as without the context;
+* complex values give ``complex128`` under ``float64`` and ``complex64``
+  otherwise (torch itself is inconsistent for half precision: ``complex32``
+  from ``torch.tensor``, ``complex64`` from ``torch.full``, an error from
+  ``torch.linspace``);
+* an explicit ``dtype=`` (not None) or ``out=`` always wins, and ``*_like``
+  functions and ``Tensor.new_*`` methods (``new_tensor`` included) keep their
+  input's dtype.
+
+What a mode cannot reach, because it is not a factory call dispatched through
+``__torch_function__``: ``torch.get_default_dtype()`` itself (code that asks
+for the default and passes it on gets the process-wide value), type
+promotion with Python scalars (``int_tensor * 0.5`` and ``int_tensor / 2``
+give the process-wide default), the legacy constructors ``torch.Tensor(2,
+3)``/``torch.FloatTensor``, the deprecated ``torch.range``, sparse
+constructors, and tensors that C++ kernels allocate internally. The first
+matters in practice: 23 modeling files of transformers 5.23 call
+``torch.get_default_dtype()``, several to build a buffer in ``__init__``
+(XGLM, M2M100, Musicgen...), which is why metamode does not route
+transformers' own dtype context through this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from metamode._modes import ThreadScopedMode
+
+__all__ = ["DefaultDtype", "default_dtype"]
+
+# The dtypes torch.set_default_dtype accepts.
+_ALLOWED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_BOOL, _INT, _FLOAT, _COMPLEX, _OTHER = range(5)
+
+
+def _scalar_kind(value: Any) -> int:
+    """Kind of one number-like value as ``full``/``arange`` read it (dtype ignored)."""
+    if isinstance(value, bool):
+        return _BOOL
+    if isinstance(value, int):
+        return _INT
+    if isinstance(value, float):
+        return _FLOAT
+    if isinstance(value, complex):
+        return _COMPLEX
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            return _COMPLEX
+        if value.is_floating_point():
+            return _FLOAT
+        return _BOOL if value.dtype == torch.bool else _INT
+    dtype = getattr(value, "dtype", None)  # NumPy scalars
+    kind = getattr(dtype, "kind", None)
+    return {"b": _BOOL, "i": _INT, "u": _INT, "f": _FLOAT, "c": _COMPLEX}.get(kind, _OTHER)
+
+
+def _data_kind(data: Any) -> int:
+    """Kind of nested Python data as ``torch.tensor`` infers it; _OTHER if not pure Python.
+
+    Empty sequences count as float (``torch.tensor([])`` is floating). Any
+    leaf that carries its own dtype (array, tensor, NumPy scalar) makes the
+    result _OTHER: torch then uses that dtype, and so does this mode.
+    """
+    kind = -1
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if type(item) is list or type(item) is tuple:
+            pending.extend(item)
+        elif type(item) is bool:
+            kind = max(kind, _BOOL)
+        elif type(item) is int:
+            kind = max(kind, _INT)
+        elif type(item) is float:
+            kind = max(kind, _FLOAT)
+        elif type(item) is complex:
+            kind = max(kind, _COMPLEX)
+        else:
+            return _OTHER
+    return _FLOAT if kind == -1 else kind
+
+
+def _always_floating(args: tuple, kwargs: dict) -> int:
+    return _FLOAT
+
+
+def _normal(args: tuple, kwargs: dict) -> int:
+    # normal(mean, std, size) with numbers is a factory; with tensors it
+    # follows them (and takes no dtype argument).
+    values = [*args, *kwargs.values()]
+    return _OTHER if any(isinstance(v, torch.Tensor) for v in values) else _FLOAT
+
+
+def _full(args: tuple, kwargs: dict) -> int:
+    return _scalar_kind(args[1] if len(args) > 1 else kwargs.get("fill_value"))
+
+
+def _arange(args: tuple, kwargs: dict) -> int:
+    values = [*args, *(kwargs[k] for k in ("start", "end", "step") if k in kwargs)]
+    return max((_scalar_kind(v) for v in values), default=_OTHER)
+
+
+def _spaced(args: tuple, kwargs: dict) -> int:
+    ends = [*args[:2], *(kwargs[k] for k in ("start", "end") if k in kwargs)]
+    return _COMPLEX if any(_scalar_kind(v) == _COMPLEX for v in ends) else _FLOAT
+
+
+def _data(args: tuple, kwargs: dict) -> int:
+    if args:
+        return _data_kind(args[0])
+    for key in ("data", "obj"):
+        if key in kwargs:
+            return _data_kind(kwargs[key])
+    return _OTHER
+
+
+_RULES: dict[Any, Callable[[tuple, dict], int]] = {
+    **dict.fromkeys(
+        (
+            torch.empty,
+            torch.empty_strided,
+            torch.empty_permuted,
+            torch.zeros,
+            torch.ones,
+            torch.rand,
+            torch.randn,
+            torch.eye,
+            torch.scalar_tensor,
+            torch.bartlett_window,
+            torch.blackman_window,
+            torch.hamming_window,
+            torch.hann_window,
+            torch.kaiser_window,
+            torch.fft.fftfreq,
+            torch.fft.rfftfreq,
+        ),
+        _always_floating,
+    ),
+    torch.normal: _normal,
+    torch.full: _full,
+    torch.arange: _arange,
+    torch.linspace: _spaced,
+    torch.logspace: _spaced,
+    torch.tensor: _data,
+    torch.as_tensor: _data,
+    torch.asarray: _data,
+}
+
+
+class DefaultDtype(ThreadScopedMode):
+    """Factory functions in this thread default to ``dtype``: see :func:`default_dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._complex = torch.complex128 if dtype == torch.float64 else torch.complex64
+
+    def _fresh(self) -> DefaultDtype:
+        return DefaultDtype(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"metamode.default_dtype({self.dtype})"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        rule = _RULES.get(func)
+        if rule is not None and kwargs.get("dtype") is None and kwargs.get("out") is None:
+            kind = rule(args, kwargs)
+            if kind == _FLOAT:
+                kwargs["dtype"] = self.dtype
+            elif kind == _COMPLEX:
+                kwargs["dtype"] = self._complex
+        return func(*args, **kwargs)
+
+
+def default_dtype(dtype: torch.dtype) -> DefaultDtype:
+    """Context manager and decorator: a default floating dtype for this thread only.
+
+    While active in the calling thread, factory functions that would create a
+    tensor of the default floating dtype (``torch.empty``, ``zeros``,
+    ``randn``, ``full(size, 0.5)``, ``arange(0, 1, 0.1)``,
+    ``tensor([1.5])``, the parameters of ``nn.Linear``...) create ``dtype``
+    instead; integer and boolean results stay integer and boolean. Unlike
+    ``torch.set_default_dtype``, nothing changes for other threads, and
+    ``torch.get_default_dtype()`` keeps returning the process-wide value. The
+    per-factory rules and what the context cannot reach are in
+    :mod:`metamode._default_dtype`. Nested contexts: the innermost wins.
+
+    Args:
+        dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or
+            ``torch.float64`` (the dtypes ``torch.set_default_dtype`` accepts).
+
+    Returns a single-use context; as a decorator, each call gets a fresh one.
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+        ValueError: ``dtype`` is not one of the floating dtypes above.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, not {dtype!r}")
+    if dtype not in _ALLOWED:
+        raise ValueError(
+            f"default_dtype needs a floating dtype torch can use as its default "
+            f"({', '.join(map(str, _ALLOWED))}), not {dtype}"
+        )
+    return DefaultDtype(dtype)

@@ -1,0 +1,83 @@
+"""Route accelerate's ``init_empty_weights`` / ``init_on_device`` through metamode.
+
+accelerate's contexts assign a wrapper to ``torch.nn.Module.register_parameter``
+on entry and put back the value they captured on exit (with
+``include_buffers=True`` they enter ``with torch.device(device):`` instead,
+which also sets torch's process-global ``CURRENT_DEVICE``). A second thread
+entering while the first is active captures the wrapper; if the first exits
+first, the second "restores" the wrapper, and every model built afterwards,
+anywhere in the process, has its parameters on ``meta``. diffusers'
+``ModelMixin.from_pretrained(low_cpu_mem_usage=True)`` enters
+``accelerate.init_empty_weights()`` on every load.
+
+The shim rebinds the two functions, by identity, in ``accelerate.big_modeling``,
+the ``accelerate`` package itself (``accelerate.init_empty_weights()`` call
+sites look it up there at call time), and every imported module of
+accelerate, diffusers, transformers and PEFT that bound them by name
+(``from accelerate import init_empty_weights``). Modules imported later get
+the replacement from their own ``from accelerate import ...``. Names bound in
+*your* modules before enabling are not touched: import them after enabling,
+or call ``accelerate.init_empty_weights()`` through the package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metamode._contexts import init_empty_weights as _init_empty_weights
+from metamode._contexts import init_on_device as _init_on_device
+from metamode._modes import EmptyWeights
+from metamode.integrations._rebind import Rebinding
+
+__all__ = ["disable_for_accelerate", "enable_for_accelerate"]
+
+
+def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
+    """metamode's replacement for ``accelerate.init_empty_weights`` (same arguments)."""
+    return _init_empty_weights(include_buffers)
+
+
+def init_on_device(device: torch.device, include_buffers: bool | None = None) -> EmptyWeights:
+    """metamode's replacement for ``accelerate.init_on_device`` (same arguments)."""
+    return _init_on_device(device, include_buffers)
+
+
+_ACCELERATE = Rebinding(
+    package="accelerate",
+    extra="accelerate",
+    home_module="accelerate.big_modeling",
+    replacements={"init_empty_weights": init_empty_weights, "init_on_device": init_on_device},
+    scan=("diffusers", "transformers", "peft"),
+)
+
+
+def enable_for_accelerate() -> tuple[str, ...]:
+    """Make ``accelerate.init_empty_weights`` and ``init_on_device`` thread-scoped.
+
+    After this, both return metamode contexts (:func:`metamode.init_empty_weights`,
+    :func:`metamode.init_on_device`): same arguments, same
+    ``ACCELERATE_INIT_INCLUDE_BUFFERS`` handling, but they affect only the
+    thread that enters them and patch nothing. Rebinds the names in
+    accelerate and in every imported accelerate, diffusers, transformers and
+    PEFT module that bound them, atomically under a lock; idempotent.
+
+    Returns the rebound ``module.name`` bindings.
+
+    Raises:
+        ImportError: accelerate is not installed.
+        metamode.IncompatibleLibraryError: this accelerate lacks one of the
+            names; nothing was changed.
+    """
+    return _ACCELERATE.enable()
+
+
+def disable_for_accelerate() -> tuple[str, ...]:
+    """Restore accelerate's functions everywhere the shim put its own.
+
+    Returns the restored bindings (empty if the shim was not enabled).
+    """
+    return _ACCELERATE.disable()
+
+
+def accelerate_enabled() -> bool:
+    return _ACCELERATE.enabled

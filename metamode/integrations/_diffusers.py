@@ -1,0 +1,105 @@
+"""Route diffusers' model-loading contexts through metamode.
+
+``ModelMixin.from_pretrained`` builds the model inside two contexts:
+
+* ``no_init_weights()`` (``diffusers.models.modeling_utils``) assigns a no-op
+  to 14 ``torch.nn.init`` functions for the whole process and assigns torch's
+  back on exit. While any thread is loading, every other thread's new modules
+  keep uninitialised memory (nothing raises), and the first load to finish
+  re-enables initialisation under the loads still running.
+* with ``low_cpu_mem_usage=True`` (the default), ``accelerate.init_empty_weights()``,
+  which patches ``torch.nn.Module.register_parameter`` and can leak the patch
+  (see :mod:`metamode.integrations._accelerate`).
+
+The shim rebinds ``no_init_weights`` to :func:`metamode.skip_init` (by
+identity, wherever diffusers bound it; ``from_pretrained`` looks it up in its
+module at call time) and enables the accelerate shim. No class attribute is
+touched, which leaves one thing process-global: with ``torch_dtype=...``,
+``from_pretrained`` calls ``cls._set_default_torch_dtype(torch_dtype)`` -- a
+classmethod -- and later ``torch.set_default_dtype(dtype_orig)``. Neither is
+a module-level name, so concurrent loads with ``torch_dtype`` still race on
+torch's default dtype (see the README's "Limitations").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from metamode._skip_init import SkipInit, skip_init
+from metamode.integrations import _accelerate
+from metamode.integrations._rebind import _LOCK, Rebinding
+
+__all__ = ["disable_for_diffusers", "enable_for_diffusers"]
+
+
+def no_init_weights() -> SkipInit:
+    """metamode's replacement for ``diffusers.models.modeling_utils.no_init_weights``."""
+    return skip_init()
+
+
+_DIFFUSERS = Rebinding(
+    package="diffusers",
+    extra="diffusers",
+    home_module="diffusers.models.modeling_utils",
+    replacements={"no_init_weights": no_init_weights},
+)
+
+# Whether enable_for_diffusers() is what turned the accelerate shim on, so
+# that disable_for_diffusers() undoes exactly what it did.
+_enabled_accelerate = False
+
+
+def enable_for_diffusers() -> tuple[str, ...]:
+    """Make diffusers' ``ModelMixin.from_pretrained`` build models thread-scoped.
+
+    Rebinds ``no_init_weights`` to a :func:`metamode.skip_init` context and,
+    if accelerate is installed, enables :func:`metamode.enable_for_accelerate`
+    (diffusers' ``low_cpu_mem_usage`` path enters
+    ``accelerate.init_empty_weights``). All or nothing, under a lock;
+    idempotent; safe before or after diffusers' submodules are imported.
+
+    Loads with ``torch_dtype=`` still set torch's process-wide default dtype
+    while the model is built: diffusers does that through a classmethod,
+    which metamode does not replace.
+
+    Returns the rebound ``module.name`` bindings (accelerate's included).
+
+    Raises:
+        ImportError: diffusers is not installed.
+        metamode.IncompatibleLibraryError: this diffusers (or accelerate) lacks
+            a name the shim replaces; nothing was changed.
+    """
+    global _enabled_accelerate
+    with _LOCK:
+        bound: list[str] = []
+        turned_on = False
+        if importlib.util.find_spec("accelerate") is not None:
+            turned_on = not _accelerate.accelerate_enabled()
+            bound.extend(_accelerate.enable_for_accelerate())
+        try:
+            bound.extend(_DIFFUSERS.enable())
+        except BaseException:
+            if turned_on:
+                _accelerate.disable_for_accelerate()
+            raise
+        _enabled_accelerate = _enabled_accelerate or turned_on
+        return tuple(sorted(bound))
+
+
+def disable_for_diffusers() -> tuple[str, ...]:
+    """Undo :func:`enable_for_diffusers`: restore diffusers' ``no_init_weights``,
+    and accelerate's functions if ``enable_for_diffusers`` is what rebound them.
+
+    Returns the restored bindings (empty if the shim was not enabled).
+    """
+    global _enabled_accelerate
+    with _LOCK:
+        restored = list(_DIFFUSERS.disable())
+        if _enabled_accelerate:
+            restored.extend(_accelerate.disable_for_accelerate())
+            _enabled_accelerate = False
+        return tuple(sorted(restored))
+
+
+def diffusers_enabled() -> bool:
+    return _DIFFUSERS.enabled

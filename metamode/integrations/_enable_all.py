@@ -1,0 +1,89 @@
+"""``metamode.enable()``: every integration whose library is installed, at once."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+from metamode.integrations._rebind import _LOCK
+
+__all__ = ["disable", "enable"]
+
+
+def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
+    """(library, enable, disable, is_enabled), in the order they are enabled.
+
+    accelerate comes before diffusers, whose shim turns accelerate's on if it
+    is off: this way it never has to.
+    """
+    from metamode.integrations import _accelerate, _diffusers, _peft, _transformers
+
+    return [
+        ("peft", _peft.enable_for_peft, _peft.disable_for_peft, _peft.peft_enabled),
+        (
+            "accelerate",
+            _accelerate.enable_for_accelerate,
+            _accelerate.disable_for_accelerate,
+            _accelerate.accelerate_enabled,
+        ),
+        (
+            "diffusers",
+            _diffusers.enable_for_diffusers,
+            _diffusers.disable_for_diffusers,
+            _diffusers.diffusers_enabled,
+        ),
+        (
+            "transformers",
+            _transformers.enable_for_transformers,
+            _transformers.disable_for_transformers,
+            _transformers.transformers_enabled,
+        ),
+    ]
+
+
+def _installed(library: str) -> bool:
+    return importlib.util.find_spec(library) is not None
+
+
+def enable() -> dict[str, tuple[str, ...]]:
+    """Enable metamode's shim for every supported library that is installed.
+
+    PEFT, accelerate, diffusers and transformers, each as its own
+    ``enable_for_*`` function would (see those for what each covers -- for
+    transformers that is much less than for the others). Imports those
+    libraries. All or nothing: if one shim refuses (an incompatible version),
+    the ones this call enabled are disabled again before the error
+    propagates. Idempotent.
+
+    Returns ``{library: rebound bindings}`` for each installed library.
+
+    Raises:
+        metamode.IncompatibleLibraryError: an installed library lacks the
+            internals its shim replaces; nothing was changed.
+    """
+    with _LOCK:
+        enabled: dict[str, tuple[str, ...]] = {}
+        newly: list[Callable[[], tuple[str, ...]]] = []
+        try:
+            for library, turn_on, turn_off, is_on in _integrations():
+                if not _installed(library):
+                    continue
+                was_on = is_on()
+                enabled[library] = turn_on()
+                if not was_on:
+                    newly.append(turn_off)
+        except BaseException:
+            for turn_off in reversed(newly):
+                turn_off()
+            raise
+        return enabled
+
+
+def disable() -> dict[str, tuple[str, ...]]:
+    """Disable every metamode shim; returns ``{library: restored bindings}``."""
+    with _LOCK:
+        restored: dict[str, tuple[str, ...]] = {}
+        for library, _, turn_off, is_on in reversed(_integrations()):
+            if _installed(library) and is_on():
+                restored[library] = turn_off()
+        return restored
