@@ -16,7 +16,10 @@ hooks once (they do nothing unless a metamode context is active in the
 calling thread).
 """
 
-from metamode import _hooks  # noqa: F401  (installs the registration hooks)
+from metamode import (
+    _hooks,  # noqa: F401  (installs the registration hooks)
+    testing,
+)
 from metamode._contexts import (
     active,
     empty_weights,
@@ -24,37 +27,19 @@ from metamode._contexts import (
     init_on_device,
     skip_empty_weights,
 )
+from metamode._default_dtype import default_dtype
+from metamode._doctor import doctor
 from metamode._modes import ContextMisuseError, EmptyWeights, SkipEmptyWeights
+from metamode._skip_init import skip_init
+from metamode._summary import summary
+from metamode.integrations._accelerate import disable_for_accelerate, enable_for_accelerate
+from metamode.integrations._diffusers import disable_for_diffusers, enable_for_diffusers
+from metamode.integrations._enable_all import disable, enable
 from metamode.integrations._peft import disable_for_peft, enable_for_peft
 from metamode.integrations._rebind import IncompatibleLibraryError
+from metamode.integrations._transformers import disable_for_transformers, enable_for_transformers
 
 __version__ = "0.1.0"
-
-# Features whose modules are still being integrated; resolved on first access.
-_PENDING = {
-    "doctor": ("metamode._doctor", "doctor"),
-    "summary": ("metamode._summary", "summary"),
-    "testing": ("metamode.testing", None),
-    "skip_init": ("metamode._skip_init", "skip_init"),
-    "default_dtype": ("metamode._default_dtype", "default_dtype"),
-    "enable": ("metamode.integrations._enable_all", "enable"),
-    "enable_for_accelerate": ("metamode.integrations._accelerate", "enable_for_accelerate"),
-    "disable_for_accelerate": ("metamode.integrations._accelerate", "disable_for_accelerate"),
-    "enable_for_diffusers": ("metamode.integrations._diffusers", "enable_for_diffusers"),
-    "disable_for_diffusers": ("metamode.integrations._diffusers", "disable_for_diffusers"),
-    "enable_for_transformers": ("metamode.integrations._transformers", "enable_for_transformers"),
-    "disable_for_transformers": ("metamode.integrations._transformers", "disable_for_transformers"),
-}
-
-
-def __getattr__(name: str):
-    if name not in _PENDING:
-        raise AttributeError(f"module 'metamode' has no attribute {name!r}")
-    import importlib
-
-    module_name, attr = _PENDING[name]
-    module = importlib.import_module(module_name)
-    return module if attr is None else getattr(module, attr)
 
 
 def load_ipython_extension(ipython) -> None:
@@ -65,15 +50,32 @@ def load_ipython_extension(ipython) -> None:
 
 
 __all__ = [
-    "ContextMisuseError",
-    "EmptyWeights",
-    "IncompatibleLibraryError",
-    "SkipEmptyWeights",
-    "active",
-    "disable_for_peft",
+    # contexts
     "empty_weights",
-    "enable_for_peft",
+    "skip_empty_weights",
+    "active",
     "init_empty_weights",
     "init_on_device",
-    "skip_empty_weights",
+    "skip_init",
+    "default_dtype",
+    # library shims
+    "enable",
+    "disable",
+    "enable_for_peft",
+    "disable_for_peft",
+    "enable_for_accelerate",
+    "disable_for_accelerate",
+    "enable_for_diffusers",
+    "disable_for_diffusers",
+    "enable_for_transformers",
+    "disable_for_transformers",
+    # inspection
+    "doctor",
+    "summary",
+    "testing",
+    # types and errors
+    "EmptyWeights",
+    "SkipEmptyWeights",
+    "ContextMisuseError",
+    "IncompatibleLibraryError",
 ]
