@@ -52,6 +52,7 @@ import torch
 from torch.nn import Parameter
 
 from metamode._modes import ThreadScopedMode
+from metamode._skippable import dispatches_plainly, split_target
 
 __all__ = ["SkipInit", "skip_init"]
 
@@ -78,21 +79,6 @@ _OVERWRITING_METHODS = frozenset(
     )
 )
 
-_DEFAULT_TORCH_FUNCTIONS = (
-    torch._C._disabled_torch_function_impl,
-    torch.Tensor.__torch_function__.__func__,
-)
-_PLAIN_DISPATCH: dict[type, bool] = {Parameter: True}
-
-
-def _dispatches_plainly(cls: type) -> bool:
-    plain = _PLAIN_DISPATCH.get(cls)
-    if plain is None:
-        handler = cls.__torch_function__
-        plain = getattr(handler, "__func__", handler) in _DEFAULT_TORCH_FUNCTIONS
-        _PLAIN_DISPATCH[cls] = plain
-    return plain
-
 
 def _is_init_function(func: Any) -> bool:
     if func in _TORCHS_INIT_FUNCTIONS:
@@ -112,13 +98,8 @@ def skipped_parameter(func: Any, args: tuple, kwargs: dict) -> Parameter | None:
     is_method = func in _OVERWRITING_METHODS
     if not is_method and not _is_init_function(func):
         return None
-    if args:
-        target = args[0]
-        others = [*args[1:], *kwargs.values()]
-    else:
-        target = kwargs.get("tensor", kwargs.get("self"))
-        others = [v for k, v in kwargs.items() if k != "tensor" and k != "self"]
-    if not isinstance(target, Parameter) or not _dispatches_plainly(type(target)):
+    target, others = split_target(args, kwargs)
+    if not isinstance(target, Parameter) or not dispatches_plainly(type(target)):
         return None
     if any(isinstance(value, torch.Tensor) for value in others):
         return None

@@ -1,12 +1,13 @@
 """Which torch calls compute nothing on a meta tensor and may return at once.
 
-Building an empty model spends most of its time *initialising* parameters
-that live on the meta device: ``reset_parameters`` calls ``kaiming_uniform_``,
-``uniform_``, ``normal_``... and each runs a Python meta kernel (torch's
-``_refs``) that checks arguments and produces no values -- about 1 ms per
-call, 0.1-0.2 s for a 7B-parameter skeleton, several times the cost of
-building the skeleton itself. Inside an empty-weights context those calls are
-pointless, so the mode returns the tensor unchanged instead.
+Building an empty model spends much of its time *initialising* parameters
+that live on the meta device: ``reset_parameters`` and transformers'
+``_init_weights`` call ``kaiming_uniform_``, ``uniform_``, ``normal_``... and
+each runs a meta kernel that checks arguments and produces no values --
+``normal_``'s is Python (torch's ``_refs``), ~0.7 ms a call, so 0.1-0.2 s for
+a Llama-7B skeleton, several times the cost of building the skeleton itself.
+Inside an empty-weights context those calls are pointless, so the mode
+returns the tensor unchanged instead.
 
 The rule is deliberately narrow, so skipping can never change a result:
 
@@ -31,15 +32,17 @@ The rule is deliberately narrow, so skipping can never change a result:
 
 What a skipped call does not do: bump the tensor's version counter, or raise
 the dtype errors a real in-place call could (``mul_(0.5)`` on an integer meta
-tensor). Neither is observable on a meta tensor built inside a context, and
-the module structure, shapes, dtypes, devices, ``requires_grad`` and parameter
-identities are exactly those of the unskipped build (``tests/test_bench.py``).
+tensor). Neither changes the model that comes out: its module structure,
+shapes, dtypes, devices, ``requires_grad`` and parameter identities are
+exactly those of the unskipped build (``tests/test_bench.py`` checks this on
+pure-torch, transformers, diffusers and PEFT models).
 
 Dunder methods are never in the set, so operators pass through untouched.
 """
 
 from __future__ import annotations
 
+import weakref
 from types import FunctionType
 from typing import Any
 
@@ -89,20 +92,34 @@ POINTLESS_ON_META: frozenset[Any] = frozenset(
     [_INIT_MODULE[name] for name in _INIT_FUNCTIONS] + list(_METHODS)
 )
 
-_PLAIN_DISPATCH = {torch.Tensor: True, torch.nn.Parameter: True}
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _DEFAULT_TORCH_FUNCTIONS = (
     torch._C._disabled_torch_function_impl,
     torch.Tensor.__torch_function__.__func__,
 )
+# subclass -> whether it keeps the default __torch_function__; weak, so classes
+# made on the fly are not kept alive by this cache.
+_SUBCLASS_IS_PLAIN: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
-def _dispatches_plainly(cls: type) -> bool:
-    """True if ``cls`` does not customise ``__torch_function__`` (cached per class)."""
-    plain = _PLAIN_DISPATCH.get(cls)
+def split_target(args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+    """The tensor an init-style call writes (first argument, or ``tensor=``/``self=``)
+    and every other argument."""
+    if args:
+        return args[0], [*args[1:], *kwargs.values()]
+    target = kwargs.get("tensor", kwargs.get("self"))
+    return target, [v for k, v in kwargs.items() if k != "tensor" and k != "self"]
+
+
+def dispatches_plainly(cls: type) -> bool:
+    """True if ``cls`` does not customise ``__torch_function__``."""
+    if cls is _PARAMETER or cls is _TENSOR:
+        return True
+    plain = _SUBCLASS_IS_PLAIN.get(cls)
     if plain is None:
         handler = cls.__torch_function__
         plain = getattr(handler, "__func__", handler) in _DEFAULT_TORCH_FUNCTIONS
-        _PLAIN_DISPATCH[cls] = plain
+        _SUBCLASS_IS_PLAIN[cls] = plain
     return plain
 
 
@@ -127,15 +144,10 @@ def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """
     if not _is_value_initialising(func):
         return None
-    if args:
-        target = args[0]
-        others = [*args[1:], *kwargs.values()]
-    else:
-        target = kwargs.get("tensor", kwargs.get("self"))
-        others = [v for k, v in kwargs.items() if k != "tensor" and k != "self"]
+    target, others = split_target(args, kwargs)
     if not isinstance(target, torch.Tensor) or not target.is_meta:
         return None
-    if not _dispatches_plainly(type(target)):
+    if not dispatches_plainly(type(target)):
         return None
     if any(isinstance(value, torch.Tensor) for value in others):
         return None

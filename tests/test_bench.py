@@ -1,0 +1,401 @@
+"""The skipped-init fast path changes nothing but speed, and the bench runs.
+
+Inside ``metamode.empty_weights()`` value-initialising calls on meta tensors
+return at once (:mod:`metamode._skippable`). These tests prove, for a
+pure-torch model in this process and for transformers / diffusers / PEFT
+models in a subprocess, that a model built with the skip is *exactly* the
+model built without it -- module tree, parameter and buffer shapes, dtypes,
+devices, ``requires_grad``, classes and ties -- and, with a dispatch-level
+recorder, that the skip really happened (no init kernel ran on a meta
+tensor). Then the rule's edges, one by one. Last, ``python -m metamode bench
+--quick --tiny`` runs end to end. No timing is asserted anywhere.
+
+Budget: ~25 s for the bench smoke run, ~15 s for the library subprocess, the
+rest well under a second.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import metamode
+from metamode import _bench
+from metamode._bench_workloads import TorchLM, describe
+from tests.conftest import run_python
+
+# aten ops that only write values (what the skip avoids on meta tensors)
+_INIT_OPS = (
+    "normal_",
+    "uniform_",
+    "fill_",
+    "zero_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "erfinv_",
+    "clamp_",
+    "mul_",
+    "add_",
+    "sub_",
+    "div_",
+    "log_normal_",
+    "cauchy_",
+)
+
+
+class InitKernelRecorder(TorchDispatchMode):
+    """Records value-writing aten ops that reach a meta tensor (below every torch-function mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in _INIT_OPS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _context(include_buffers: bool, skip: bool) -> metamode.EmptyWeights:
+    context = metamode.empty_weights(include_buffers=include_buffers)
+    context._skip_init = skip  # the switch the mode reads; False = the plain path
+    return context
+
+
+def _build(factory, include_buffers: bool, skip: bool):
+    recorder = InitKernelRecorder()
+    with _context(include_buffers, skip), recorder:
+        model = factory()
+    return model, recorder.seen
+
+
+class Tagged(nn.Parameter):
+    """A Parameter subclass with an attribute, like quantisation libraries use."""
+
+
+class Mixed(nn.Module):
+    """Every kind of thing a skeleton must keep: ties, frozen and subclassed
+    parameters, persistent and non-persistent buffers, an init-time in-place op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TorchLM(vocab=64, width=16, ffn=32, layers=2)
+        self.frozen = nn.Parameter(torch.empty(3, 3), requires_grad=False)
+        nn.init.trunc_normal_(self.frozen, std=0.02)
+        self.tagged = Tagged(torch.empty(4, 2))
+        self.tagged.kind = "int4"
+        nn.init.xavier_uniform_(self.tagged)
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.gru = nn.GRU(4, 4)
+        self.attention = nn.MultiheadAttention(8, 2)
+        self.scale = nn.Parameter(torch.ones(4))
+        with torch.no_grad():
+            self.scale.mul_(0.5).add_(1.0)
+        self.register_buffer("table", torch.arange(6.0).reshape(2, 3))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+@pytest.mark.parametrize("include_buffers", [False, True])
+def test_skipped_init_builds_exactly_the_plain_model_pure_torch(include_buffers):
+    skipped, skipped_kernels = _build(Mixed, include_buffers, skip=True)
+    plain, plain_kernels = _build(Mixed, include_buffers, skip=False)
+    assert describe(skipped) == describe(plain)
+    assert skipped_kernels == [], "an init kernel ran on a meta tensor despite the skip"
+    assert plain_kernels, "the plain path should run init kernels on meta (else this test is moot)"
+    assert skipped.lm.head.weight is skipped.lm.embed.weight
+    assert type(skipped.tagged) is Tagged and skipped.tagged.kind == "int4"
+    if include_buffers:
+        with torch.device("meta"):
+            reference = Mixed()
+        assert describe(skipped) == describe(reference)
+    else:
+        assert torch.equal(skipped.table, torch.arange(6.0).reshape(2, 3))
+
+
+_LIBRARY_CHECK = textwrap.dedent(
+    """
+    import json
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import metamode
+    from metamode._bench_workloads import LLAMA_SHAPES, describe, _lora_config
+
+    def llama(**overrides):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return lambda: LlamaForCausalLM(LlamaConfig(**{**LLAMA_SHAPES["tiny"], **overrides}))
+
+    def unet():
+        from diffusers import UNet2DConditionModel
+        from metamode._bench_workloads import SDXL_UNET_TINY
+        return UNet2DConditionModel(**SDXL_UNET_TINY)
+
+    cases = {
+        "llama-tied": llama(),
+        "llama-untied": llama(tie_word_embeddings=False),
+        "llama3-rope": llama(rope_scaling={"rope_type": "llama3", "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}, rope_theta=500000.0),
+        "sdxl-unet": unet,
+    }
+    out = {}
+    for name, factory in cases.items():
+        for include_buffers in (False, True):
+            skipped, skipped_kernels = _build(factory, include_buffers, skip=True)
+            plain, plain_kernels = _build(factory, include_buffers, skip=False)
+            a, b = describe(skipped), describe(plain)
+            out[f"{name} include_buffers={include_buffers}"] = {
+                "same": a == b,
+                "diff": [k for k in a if a[k] != b[k]],
+                "skipped_kernels": skipped_kernels[:5],
+                "plain_kernels": len(plain_kernels),
+                "parameters": len(a["parameters"]),
+            }
+
+    # PEFT LoRA injection with metamode's shim: skip on vs off.
+    import metamode._modes as modes
+    from peft import inject_adapter_in_model
+    metamode.enable_for_peft()
+    real_skip = modes.skipped_target
+    described = {}
+    for skip in (True, False):
+        modes.skipped_target = real_skip if skip else (lambda func, args, kwargs: None)
+        torch.manual_seed(0)
+        base = llama()()
+        recorder = InitKernelRecorder()
+        with recorder:
+            inject_adapter_in_model(_lora_config("llama-1b"), base, low_cpu_mem_usage=True)
+        described[skip] = (describe(base), recorder.seen)
+    modes.skipped_target = real_skip
+    out["peft lora shim"] = {
+        "same": described[True][0] == described[False][0],
+        "diff": [k for k in described[True][0]
+                 if described[True][0][k] != described[False][0][k]],
+        "skipped_kernels": described[True][1][:5],
+        "plain_kernels": len(described[False][1]),
+        "parameters": len(described[True][0]["parameters"]),
+    }
+    print(json.dumps(out))
+    """
+)
+
+
+def test_skipped_init_builds_exactly_the_plain_model_transformers_diffusers_peft():
+    # A subprocess: transformers' first init adds torch.nn.Module.smart_apply,
+    # a global change the suite's guard would (rightly) report.
+    helpers = "\n".join(inspect.getsource(f) for f in (InitKernelRecorder, _context, _build))
+    imports = "import metamode, torch\nfrom torch.utils._python_dispatch import TorchDispatchMode\n"
+    script = f"{imports}_INIT_OPS = {_INIT_OPS!r}\n{helpers}\n{_LIBRARY_CHECK}"
+    results = run_python(script, timeout=600)
+    assert len(results) == 9
+    for case, result in results.items():
+        assert result["same"], f"{case}: skipped build differs in {result['diff']}"
+        assert result["skipped_kernels"] == [], f"{case}: init kernels ran on meta tensors"
+        assert result["plain_kernels"] > 0, f"{case}: plain path ran no init kernel (moot test)"
+        assert result["parameters"] > 0
+
+
+# -- the rule's edges -----------------------------------------------------------------
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, device="meta")
+
+
+def test_real_tensors_are_never_skipped():
+    torch.manual_seed(0)
+    with metamode.empty_weights():
+        real = torch.zeros(8)
+        nn.init.normal_(real)
+        assert real.abs().sum() > 0
+        real.fill_(2.0).mul_(3.0)
+    assert torch.equal(real, torch.full((8,), 6.0))
+
+
+def test_structural_methods_are_never_skipped():
+    with metamode.empty_weights():
+        resized = _meta(4).resize_(2, 3)
+        flagged = _meta(2).requires_grad_()
+        target = _meta(2, 2)
+        target.set_(_meta(5))
+        copied = _meta(3).copy_(torch.ones(3))
+    assert resized.shape == (2, 3) and flagged.requires_grad and target.shape == (5,)
+    assert copied.is_meta
+
+
+def test_skip_keeps_errors_a_tensor_argument_could_raise():
+    with metamode.empty_weights(), pytest.raises(RuntimeError):
+        _meta(4).add_(_meta(5))
+
+
+def test_init_called_with_keyword_tensor_is_skipped():
+    recorder = InitKernelRecorder()
+    meta = _meta(3, 3)
+    with metamode.empty_weights(), recorder:
+        assert nn.init.normal_(tensor=meta, std=0.5) is meta
+        assert nn.init.uniform_(tensor=meta) is meta
+        assert nn.init.constant_(tensor=meta, val=1.0) is meta
+    assert recorder.seen == []
+
+
+def test_methods_autograd_would_record_are_not_skipped():
+    leaf = nn.Parameter(_meta(3))
+    with metamode.empty_weights(), pytest.raises(RuntimeError, match="leaf Variable"):
+        leaf.mul_(2.0)
+    with metamode.empty_weights():
+        recorded = (leaf + 1).mul_(2.0)
+        with torch.no_grad():
+            assert leaf.mul_(2.0) is leaf  # nothing to record: skipped
+    assert type(recorded.grad_fn).__name__ == "MulBackward0"
+
+
+def test_subclasses_with_their_own_torch_function_see_the_call():
+    seen: list[str] = []
+
+    class Tracked(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    tracked = _meta(2, 2).as_subclass(Tracked)
+    with metamode.empty_weights():
+        nn.init.normal_(tracked)
+    assert "normal_" in seen
+
+
+def test_a_library_rebound_init_function_is_skipped(monkeypatch):
+    # transformers' guard_torch_init_functions rebinds torch.nn.init.* during
+    # init_weights; torch's dispatch then names the rebound function.
+    original = nn.init.normal_
+    calls: list[str] = []
+
+    def guarded_normal_(tensor, mean=0.0, std=1.0, generator=None):
+        calls.append("guard")
+        return original(tensor, mean=mean, std=std, generator=generator)
+
+    guarded_normal_.__name__ = "normal_"
+    monkeypatch.setattr(nn.init, "normal_", guarded_normal_)
+    recorder = InitKernelRecorder()
+    meta = _meta(4, 4)
+    with metamode.empty_weights(), recorder:
+        assert guarded_normal_(meta) is meta
+    assert recorder.seen == [] and calls == ["guard"]
+
+
+def test_skip_is_off_for_contexts_on_real_devices():
+    torch.manual_seed(0)
+    with metamode.empty_weights(device="cpu"):
+        layer = nn.Linear(4, 4)
+    assert layer.weight.abs().sum() > 0
+
+
+# -- statistics and rendering ---------------------------------------------------------
+
+
+def _record(section, model, method, rep, seconds):
+    task = {"section": section, "model": model, "method": method, "rep": rep}
+    return {"task": task, "result": {"ok": True, "cpu_s": seconds, "wall_s": seconds}}
+
+
+def test_ratios_are_medians_of_paired_ratios_not_ratios_of_medians():
+    records = [
+        _record("skeleton", "m", "torch.device", 0, 1.0),
+        _record("skeleton", "m", "metamode", 0, 2.0),
+        _record("skeleton", "m", "torch.device", 1, 10.0),
+        _record("skeleton", "m", "metamode", 1, 10.0),
+        _record("skeleton", "m", "torch.device", 2, 4.0),
+        _record("skeleton", "m", "metamode", 2, 6.0),
+    ]
+    summary = _bench.summarise(records, "cpu")
+    cell = summary["skeleton|m|metamode"]
+    assert cell["median_s"] == 6.0
+    assert cell["ratios"] == [2.0, 1.0, 1.5] and cell["ratio"] == 1.5
+    assert _bench.paired(summary, "skeleton", "m", "metamode", "torch.device") == 1.5
+
+
+def test_tables_render_with_rich_and_as_plain_text(capsys, monkeypatch):
+    table = _bench.Table("title", ["method", "llama-7b"], [["metamode", "1.0 ms  0.70x"]])
+    _bench.print_tables([table], plain=False)
+    with_rich = capsys.readouterr().out
+    monkeypatch.setattr(_bench, "_has_rich", lambda: False)
+    _bench.print_tables([table], plain=False)
+    plain = capsys.readouterr().out
+    for out in (with_rich, plain):
+        assert "title" in out and "metamode" in out and "0.70x" in out
+    assert plain.strip() == _bench.render_plain(table).strip()
+    for progress in (_bench._RichProgress(1), _bench._PlainProgress(1)):
+        with progress:
+            progress.start("skeleton llama-7b metamode (rep 1)")
+            progress.finish("1.0 ms")
+    assert "[   1/1]" in capsys.readouterr().err
+
+
+def test_without_optional_packages_the_pure_torch_workload_still_runs():
+    args = _bench._parser().parse_args([])
+    plan = _bench.make_plan(args, {name: False for name in _bench._OPTIONAL})
+    assert plan.skeleton_models == ["torch-7b"]
+    assert plan.skeleton_methods == ["none", "torch.device", "metamode", "metamode+buffers"]
+    assert plan.lora_models == [] and plan.thread_model is None and plan.packages == []
+    quick = _bench.make_plan(_bench._parser().parse_args(["--quick"]), {})
+    assert quick.skeleton_models == ["torch-7b"] and quick.reps == 3
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+def test_bench_quick_runs_end_to_end(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "metamode",
+            "bench",
+            "--quick",
+            "--tiny",
+            "--reps",
+            "2",
+            "--plain",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Targets" in done.stdout and "targets met:" in done.stdout
+    data = json.loads(out.read_text())
+    records = [r for r in data["records"] if r["task"]["section"] != "size"]
+    sections = {r["task"]["section"] for r in records}
+    assert sections == {"skeleton", "lora", "threads", "idle"}
+    failed = [(r["task"], r["result"].get("error")) for r in records if not r["result"]["ok"]]
+    assert not failed
+    skeleton = {r["task"]["method"] for r in records if r["task"]["section"] == "skeleton"}
+    assert skeleton == set(_bench.SKELETON_METHODS)
+    for record in records:
+        task, result = record["task"], record["result"]
+        assert result["cpu_s"] > 0 and result["wall_s"] > 0
+        if task["section"] == "skeleton":
+            on_meta = result["devices"].get("meta", 0)
+            assert (on_meta == 0) == (task["method"] == "none"), task
+        if task["section"] == "idle":
+            assert result["metamode_imported"] == (task["method"] == "imported+enabled")
+        if task["section"] in ("lora", "threads") and "shim" in task["method"]:
+            assert result["problems"] == [] and not result.get("leaked"), task
+    assert {row["target"] for row in data["targets"]} >= {
+        "empty_weights() / torch.device('meta')",
+        "LoRA injection: shim / stock (low_cpu_mem_usage=True)",
+    }
