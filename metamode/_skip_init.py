@@ -52,7 +52,7 @@ import torch
 from torch.nn import Parameter
 
 from metamode._modes import ThreadScopedMode
-from metamode._skippable import dispatches_plainly, split_target
+from metamode._skippable import OVERWRITING_METHOD_NAMES, dispatches_plainly, split_target
 
 __all__ = ["SkipInit", "skip_init"]
 
@@ -62,22 +62,7 @@ _WHOLE_INIT_NAMES = frozenset(("uniform_", "normal_", "constant_", "kaiming_unif
 _INIT_MODULE = vars(torch.nn.init)
 _TORCHS_INIT_FUNCTIONS = frozenset(_INIT_MODULE[name] for name in _WHOLE_INIT_NAMES)
 
-# In-place methods whose result does not depend on the tensor's current values.
-_OVERWRITING_METHODS = frozenset(
-    getattr(torch.Tensor, name)
-    for name in (
-        "uniform_",
-        "normal_",
-        "fill_",
-        "zero_",
-        "random_",
-        "exponential_",
-        "geometric_",
-        "log_normal_",
-        "cauchy_",
-        "bernoulli_",
-    )
-)
+_OVERWRITING_METHODS = frozenset(getattr(torch.Tensor, name) for name in OVERWRITING_METHOD_NAMES)
 
 
 def _is_init_function(func: Any) -> bool:

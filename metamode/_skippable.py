@@ -66,7 +66,9 @@ _INIT_FUNCTIONS = (
     "orthogonal_",
     "sparse_",
 )
-_VALUE_WRITING_METHODS = (
+# In-place methods whose result does not depend on the tensor's current values
+# (metamode.skip_init skips these on real parameters too).
+OVERWRITING_METHOD_NAMES = (
     "uniform_",
     "normal_",
     "fill_",
@@ -77,6 +79,10 @@ _VALUE_WRITING_METHODS = (
     "log_normal_",
     "cauchy_",
     "bernoulli_",
+)
+# On a meta tensor, value arithmetic computes nothing either.
+_VALUE_WRITING_METHODS = (
+    *OVERWRITING_METHOD_NAMES,
     "erfinv_",
     "clamp_",
     "mul_",
