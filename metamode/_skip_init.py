@@ -45,14 +45,18 @@ out-of-range memory.)
 
 from __future__ import annotations
 
-from types import FunctionType
 from typing import Any
 
 import torch
 from torch.nn import Parameter
 
 from metamode._modes import ThreadScopedMode
-from metamode._skippable import OVERWRITING_METHOD_NAMES, dispatches_plainly, split_target
+from metamode._skippable import (
+    OVERWRITING_METHOD_NAMES,
+    bound_in_nn_init,
+    dispatches_plainly,
+    split_target,
+)
 
 __all__ = ["SkipInit", "skip_init"]
 
@@ -66,16 +70,7 @@ _OVERWRITING_METHODS = frozenset(getattr(torch.Tensor, name) for name in OVERWRI
 
 
 def _is_init_function(func: Any) -> bool:
-    if func in _TORCHS_INIT_FUNCTIONS:
-        return True
-    # A library may have rebound torch.nn.init.<name> (transformers'
-    # guard_torch_init_functions does, around init_weights); torch's dispatch
-    # then names whatever is bound there now.
-    return (
-        type(func) is FunctionType
-        and func.__name__ in _WHOLE_INIT_NAMES
-        and _INIT_MODULE.get(func.__name__) is func
-    )
+    return func in _TORCHS_INIT_FUNCTIONS or bound_in_nn_init(func, _WHOLE_INIT_NAMES)
 
 
 def skipped_parameter(func: Any, args: tuple, kwargs: dict) -> Parameter | None:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["POINTLESS_ON_META", "is_pointless_on_meta", "skipped_target"]
+__all__ = ["POINTLESS_ON_META", "bound_in_nn_init", "skipped_target"]
 
 _INIT_FUNCTIONS = (
     "uniform_",
@@ -129,16 +129,22 @@ def dispatches_plainly(cls: type) -> bool:
     return plain
 
 
-def _is_value_initialising(func: Any) -> bool:
-    if func in POINTLESS_ON_META:
-        return True
-    # A torch.nn.init function rebound by a library (see the module docstring):
-    # torch's own dispatch passes the object bound in torch.nn.init right now.
+def bound_in_nn_init(func: Any, names: frozenset[str]) -> bool:
+    """True if ``func`` is what ``torch.nn.init`` binds under one of ``names`` now.
+
+    A library may have rebound ``torch.nn.init.<name>`` (transformers'
+    ``guard_torch_init_functions`` does, around ``init_weights``); torch's own
+    dispatch then passes the mode whatever is bound there at call time.
+    """
     return (
         type(func) is FunctionType
-        and func.__name__ in _INIT_NAMES
+        and func.__name__ in names
         and _INIT_MODULE.get(func.__name__) is func
     )
+
+
+def _is_value_initialising(func: Any) -> bool:
+    return func in POINTLESS_ON_META or bound_in_nn_init(func, _INIT_NAMES)
 
 
 def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -160,8 +166,3 @@ def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if func in _METHODS and target.requires_grad and torch.is_grad_enabled():
         return None
     return target
-
-
-def is_pointless_on_meta(func: Any, args: tuple, kwargs: dict) -> bool:
-    """True if ``func(*args, **kwargs)`` would only write values into a meta tensor."""
-    return skipped_target(func, args, kwargs) is not None

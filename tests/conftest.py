@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import metamode  # noqa: F401  (hooks are installed before the first snapshot)
 from metamode._invariants import snapshot
@@ -26,6 +27,23 @@ def _torch_left_as_it_was():
     changes = snapshot().changes_since(before)
     if changes:
         pytest.fail("test left global torch state changed: " + "; ".join(changes), pytrace=False)
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Run tiny models with one intra-op thread, restoring the setting afterwards.
+
+    Why: the tensors are far too small to gain from intra-op parallelism, but OpenMP's
+    parallel regions (GroupNorm, conv) still spin-wait on each other; on a busy 2-core
+    machine that measured 20-60x slower per denoising step (50 ms vs 1-4 s). Results
+    compared with each other are all computed under this setting, so bit-exactness holds.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_python(code: str, timeout: float = 300) -> dict:

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 TORCHS_REGISTER_PARAMETER = vars(nn.Module)["register_parameter"]
-torch.set_num_threads(1)  # see _one_intra_op_thread in the test module
+torch.set_num_threads(1)  # see one_intra_op_thread in tests/conftest.py
 spec = importlib.util.spec_from_file_location("_tiny_sdxl", TINY_SDXL_PATH)
 tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
@@ -85,6 +85,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning"),
     # diffusers' Euler scheduler calls np.array(tensor, copy=False); unrelated to metamode.
     pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+    # One intra-op thread for tiny models: see tests/conftest.py.
+    pytest.mark.usefixtures("one_intra_op_thread"),
 ]
 
 
@@ -101,23 +103,6 @@ def _quiet_diffusers() -> Iterator[None]:
         yield
     finally:
         diffusers_logging.set_verbosity(verbosity)
-
-
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    """Run the tiny models with one intra-op thread, restoring the setting afterwards.
-
-    Why: the tensors are far too small to gain from intra-op parallelism, but OpenMP's
-    parallel regions (GroupNorm, conv) still spin-wait on each other; on a busy 2-core
-    machine that measured 20-60x slower per denoising step (50 ms vs 1-4 s). Every latent
-    compared here is computed under this same setting, so bit-exactness is unaffected.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _lora_state_dicts(

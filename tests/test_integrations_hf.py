@@ -349,15 +349,7 @@ print(json.dumps({{"low_cpu_mem_usage=" + str(k): v for k, v in results.items()}
 # -- fixtures ---------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and OpenMP spin-waits on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
