@@ -215,10 +215,12 @@ def _meta(*shape: int) -> torch.Tensor:
 
 def test_real_tensors_are_never_skipped():
     torch.manual_seed(0)
+    expected = nn.init.normal_(torch.zeros(8))
+    torch.manual_seed(0)
     with metamode.empty_weights():
         real = torch.zeros(8)
         nn.init.normal_(real)
-        assert real.abs().sum() > 0
+        assert torch.equal(real, expected)
         real.fill_(2.0).mul_(3.0)
     assert torch.equal(real, torch.full((8,), 6.0))
 
@@ -296,9 +298,17 @@ def test_a_library_rebound_init_function_is_skipped(monkeypatch):
 
 def test_skip_is_off_for_contexts_on_real_devices():
     torch.manual_seed(0)
-    with metamode.empty_weights(device="cpu"):
+    expected = nn.Linear(4, 4)
+    context = metamode.empty_weights(device="cpu")
+    assert context._skip_init is False
+    recorder = InitKernelRecorder()
+    torch.manual_seed(0)
+    with context, recorder:
         layer = nn.Linear(4, 4)
-    assert layer.weight.abs().sum() > 0
+        # The rule alone would skip this (a meta tensor); the context's flag must stop it.
+        nn.init.normal_(_meta(4, 4))
+    assert recorder.seen == ["normal_"], "a cpu context skipped an init call"
+    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.bias, expected.bias)
 
 
 # -- statistics and rendering ---------------------------------------------------------

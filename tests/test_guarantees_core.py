@@ -1,0 +1,223 @@
+"""Core guarantees, each pinned by a test that fails when the guarantee is broken.
+
+These were written against planted bugs (mutants) that the rest of the suite let
+through: the stack repaired in the wrong order after an out-of-order exit, the
+bitsandbytes-style constructor path removed, the tie memo removed, a context
+visible to other threads. Each test names the mutant it kills.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import _pop_mode
+
+import metamode
+from metamode import ContextMisuseError, _stack
+from metamode._invariants import snapshot
+from metamode._stack import stack_depth
+
+
+def _drain_to(depth: int) -> None:
+    # Leave this thread's stack as the test found it even when an assertion failed.
+    while stack_depth() > depth:
+        _pop_mode()
+
+
+# -- out-of-order exit with several newer contexts ---------------------------------------------
+# Mutant: _stack.remove pushes the modes it popped back in the wrong (reverse) order.
+
+
+def test_out_of_order_exit_keeps_two_newer_contexts_in_their_order():
+    base = stack_depth()
+    outer = metamode.empty_weights()
+    middle = metamode.empty_weights(include_buffers=True)
+    skip = metamode.skip_empty_weights()
+    try:
+        outer.__enter__()
+        middle.__enter__()
+        skip.__enter__()
+        with pytest.raises(ContextMisuseError, match="reverse order"):
+            outer.__exit__(None, None, None)
+        assert list(_stack.modes_innermost_first())[:2] == [skip, middle]
+        assert stack_depth() == base + 2
+        # Still inside the skip, entered last: nothing is active, nothing moves.
+        assert metamode.active() is None
+        assert nn.Linear(2, 2).weight.device.type == "cpu"
+        assert torch.empty(1).device.type == "cpu"
+        skip.__exit__(None, None, None)
+        assert metamode.active() is middle and torch.empty(1).is_meta
+        middle.__exit__(None, None, None)
+        assert stack_depth() == base
+    finally:
+        _drain_to(base)
+
+
+def test_remove_keeps_order_of_three_modes_above():
+    base = stack_depth()
+    modes = [metamode.empty_weights() for _ in range(4)]
+    try:
+        for mode in modes:
+            mode.__enter__()
+        assert _stack.remove(modes[0]) is True
+        assert list(_stack.modes_innermost_first())[:3] == modes[:0:-1]
+        assert _stack.remove(modes[0]) is False, "already gone: reported, stack unchanged"
+        assert list(_stack.modes_innermost_first())[:3] == modes[:0:-1]
+    finally:
+        _drain_to(base)
+
+
+# -- the bitsandbytes-style constructor path ----------------------------------------------------
+# Mutant: _params._rebuilt_subclass no longer calls cls(data, requires_grad=..., **attributes).
+
+
+class KeywordParam(nn.Parameter):
+    """bitsandbytes-style: attributes are constructor keywords, and construction is observable.
+
+    Like ``bnb.nn.Params4bit``, defaults exist, so a rebuild *without* the keywords
+    also succeeds; only the record of constructor calls tells the two paths apart.
+    """
+
+    calls: list[tuple[str, object, int]] = []
+
+    def __new__(cls, data=None, requires_grad=False, quant_state=None, blocksize=64):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.quant_state = quant_state
+        self.blocksize = blocksize
+        cls.calls.append((data.device.type, quant_state, blocksize))
+        return self
+
+
+def test_bitsandbytes_style_subclass_is_rebuilt_through_its_constructor():
+    KeywordParam.calls.clear()
+    original = KeywordParam(torch.empty(4), quant_state={"s": 1}, blocksize=32)
+    module = nn.Module()
+    with metamode.empty_weights():
+        module.quant = original
+    moved = module.quant
+    assert type(moved) is KeywordParam and moved.is_meta and not moved.requires_grad
+    assert KeywordParam.calls == [("cpu", {"s": 1}, 32), ("meta", {"s": 1}, 32)]
+    assert moved.quant_state == {"s": 1} and moved.blocksize == 32
+    assert original.device.type == "cpu" and "requires_grad" not in original.__dict__
+
+
+# -- ties made before anything is on meta ---------------------------------------------------------
+# Mutant: EmptyWeights._memoised moves every registration afresh (no tie memo).
+
+
+class SharedEmbeddingLM(nn.Module):
+    """Input and output embeddings share one Parameter created before either module holds it."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4) -> None:
+        super().__init__()
+        shared = nn.Parameter(torch.empty(vocab, dim))
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed.weight = shared
+        self.head.weight = shared
+
+
+def test_tie_made_before_meta_stays_tied():
+    eager = SharedEmbeddingLM()
+    assert eager.head.weight is eager.embed.weight
+    with metamode.empty_weights():
+        model = SharedEmbeddingLM()
+    assert model.head.weight is model.embed.weight and model.embed.weight.is_meta
+    assert [name for name, _ in model.named_parameters()] == ["embed.weight"]
+
+
+def test_one_original_in_two_modules_of_one_context_maps_to_one_parameter():
+    shared = nn.Parameter(torch.empty(3, 3))
+    with metamode.empty_weights():
+        first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+        first.weight = shared
+        second.weight = shared
+    assert first.weight is second.weight and first.weight.is_meta
+    assert shared.device.type == "cpu"
+
+
+# -- thread scope while a context is open -------------------------------------------------------------
+# Mutant: a process-global context (e.g. active_empty_weights ignoring the thread).
+
+
+def test_bystander_thread_is_unaffected_while_two_contexts_overlap():
+    a_entered, b_entered, checked = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def context_thread(name: str, entered: threading.Event, wait_for: threading.Event) -> None:
+        try:
+            with metamode.empty_weights():
+                entered.set()
+                assert wait_for.wait(30)
+                seen[name] = nn.Linear(2, 2).weight.device.type
+        except BaseException as error:
+            errors.append(error)
+
+    def bystander() -> None:
+        try:
+            assert a_entered.wait(30) and b_entered.wait(30)
+            seen["bystander_active"] = metamode.active()
+            seen["bystander_linear"] = nn.Linear(2, 2).weight.device.type
+            seen["bystander_factory"] = torch.empty(1).device.type
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            checked.set()
+
+    threads = [
+        threading.Thread(target=context_thread, args=("a", a_entered, checked)),
+        threading.Thread(target=context_thread, args=("b", b_entered, checked)),
+        threading.Thread(target=bystander),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert seen == {
+        "bystander_active": None,
+        "bystander_linear": "cpu",
+        "bystander_factory": "cpu",
+        "a": "meta",
+        "b": "meta",
+    }
+    # The main thread, also a bystander, saw nothing either.
+    assert metamode.active() is None
+
+
+# -- the global-state guard sees what it claims to see --------------------------------------------
+
+
+def test_guard_reports_a_replaced_tensor_method():
+    before = snapshot()
+    original = vars(torch.Tensor)["register_hook"]
+    setattr(torch.Tensor, "register_hook", lambda self, hook: None)  # noqa: B010 (planted)
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        setattr(torch.Tensor, "register_hook", original)  # noqa: B010
+    assert changes == ["torch.Tensor.register_hook replaced"], changes
+    assert snapshot().changes_since(before) == []
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "module"])
+def test_guard_reports_an_added_global_hook(kind):
+    from torch.nn.modules import module as torch_module
+
+    register = {
+        "parameter": torch_module.register_module_parameter_registration_hook,
+        "buffer": torch_module.register_module_buffer_registration_hook,
+        "module": torch_module.register_module_module_registration_hook,
+    }[kind]
+    before = snapshot()
+    handle = register(lambda *args: None)
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        handle.remove()
+    assert changes, f"a new global {kind} registration hook went unnoticed"
+    assert snapshot().changes_since(before) == []
