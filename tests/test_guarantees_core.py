@@ -9,6 +9,7 @@ visible to other threads. Each test names the mutant it kills.
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ class KeywordParam(nn.Parameter):
     also succeeds; only the record of constructor calls tells the two paths apart.
     """
 
-    calls: list[tuple[str, object, int]] = []
+    calls: ClassVar[list[tuple[str, object, int]]] = []
 
     def __new__(cls, data=None, requires_grad=False, quant_state=None, blocksize=64):
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
@@ -139,7 +140,7 @@ def test_one_original_in_two_modules_of_one_context_maps_to_one_parameter():
     assert shared.device.type == "cpu"
 
 
-# -- thread scope while a context is open -------------------------------------------------------------
+# -- thread scope while a context is open ----------------------------------------------------------
 # Mutant: a process-global context (e.g. active_empty_weights ignoring the thread).
 
 

@@ -79,7 +79,7 @@ def test_pytest_plugin_loads_through_its_entry_point_and_can_be_disabled(tmp_pat
     assert "unrecognized arguments: --metamode-strict" in disabled.stderr
 
 
-# -- doctor --import, through the CLI ---------------------------------------------------------------
+# -- doctor --import, through the CLI --------------------------------------------------------------
 
 
 def test_doctor_import_through_the_cli(tmp_path):
@@ -120,7 +120,7 @@ def test_doctor_import_through_the_cli(tmp_path):
     assert "left by: patches_on_import.register_parameter" in dirty.stdout
 
 
-# -- accelerate unties tied weights (accelerate#3668); metamode keeps them -----------------------------
+# -- accelerate unties tied weights (accelerate#3668); metamode keeps them -------------------------
 
 _TIES = """
 import json
