@@ -9,6 +9,7 @@ visible to other threads. Each test names the mutant it kills.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import ClassVar
 
 import pytest
@@ -83,17 +84,20 @@ class KeywordParam(nn.Parameter):
     """
 
     calls: ClassVar[list[tuple[str, object, int]]] = []
+    made: ClassVar[list[weakref.ref]] = []
 
     def __new__(cls, data=None, requires_grad=False, quant_state=None, blocksize=64):
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self.quant_state = quant_state
         self.blocksize = blocksize
         cls.calls.append((data.device.type, quant_state, blocksize))
+        cls.made.append(weakref.ref(self))
         return self
 
 
 def test_bitsandbytes_style_subclass_is_rebuilt_through_its_constructor():
     KeywordParam.calls.clear()
+    KeywordParam.made.clear()
     original = KeywordParam(torch.empty(4), quant_state={"s": 1}, blocksize=32)
     module = nn.Module()
     with metamode.empty_weights():
@@ -101,6 +105,7 @@ def test_bitsandbytes_style_subclass_is_rebuilt_through_its_constructor():
     moved = module.quant
     assert type(moved) is KeywordParam and moved.is_meta and not moved.requires_grad
     assert KeywordParam.calls == [("cpu", {"s": 1}, 32), ("meta", {"s": 1}, 32)]
+    assert KeywordParam.made[-1]() is moved, "the constructor's object must be the one kept"
     assert moved.quant_state == {"s": 1} and moved.blocksize == 32
     assert original.device.type == "cpu" and "requires_grad" not in original.__dict__
 
@@ -222,3 +227,71 @@ def test_guard_reports_an_added_global_hook(kind):
         handle.remove()
     assert changes, f"a new global {kind} registration hook went unnoticed"
     assert snapshot().changes_since(before) == []
+
+
+# -- small contracts the mutation run found untested ----------------------------------------------
+
+
+def test_init_on_device_passes_include_buffers_on():
+    context = metamode.init_on_device("meta", include_buffers=True)
+    assert context.include_buffers is True and context.device == torch.device("meta")
+    assert metamode.init_on_device("meta", include_buffers=False).include_buffers is False
+
+
+def test_decorator_keeps_include_buffers():
+    @metamode.empty_weights(include_buffers=True)
+    def build() -> torch.Tensor:
+        return torch.empty(2)
+
+    assert build().is_meta
+
+
+def test_reprs_name_the_settings():
+    assert repr(metamode.empty_weights(device="cpu")) == (
+        "metamode.empty_weights(device='cpu', include_buffers=False)"
+    )
+    assert repr(metamode.skip_empty_weights()) == "metamode.skip_empty_weights()"
+
+
+def test_decorating_an_async_generator_is_refused():
+    async def agen():
+        yield
+
+    with pytest.raises(TypeError, match="async"):
+        metamode.empty_weights()(agen)
+
+
+def test_hook_detection_ignores_foreign_hooks():
+    from metamode import _hooks
+
+    def foreign(*args):
+        return None
+
+    assert _hooks._already_installed({}) is False
+    assert _hooks._already_installed({1: foreign}) is False
+    assert _hooks._already_installed({1: foreign, 2: _hooks._on_buffer_registered}) is True
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+def test_install_adds_exactly_the_missing_hook(kind):
+    from torch.nn.modules import module as torch_module
+
+    from metamode import _hooks
+
+    hooks = getattr(torch_module, f"_global_{kind}_registration_hooks")
+    expected = {
+        "parameter": _hooks._on_parameter_registered,
+        "buffer": _hooks._on_buffer_registered,
+    }
+    saved = dict(hooks)
+    try:
+        for key in [k for k, hook in hooks.items() if hook is expected[kind]]:
+            del hooks[key]
+        assert _hooks.installed() is False, f"the {kind} hook is missing"
+        _hooks._install()
+        assert _hooks.installed() is True
+        assert [hook for hook in hooks.values() if hook is expected[kind]] == [expected[kind]]
+        assert len(hooks) == len(saved)
+    finally:
+        hooks.clear()
+        hooks.update(saved)
