@@ -295,3 +295,34 @@ def test_install_adds_exactly_the_missing_hook(kind):
     finally:
         hooks.clear()
         hooks.update(saved)
+
+
+def test_none_buffer_is_registered_untouched_with_include_buffers():
+    module = nn.Module()
+    with metamode.empty_weights(include_buffers=True):
+        module.register_buffer("absent", None)
+        module.register_buffer("present", torch.ones(2, device="cpu"))
+    assert module.absent is None and module.present.is_meta
+
+
+class RecordingTensor(torch.Tensor):
+    """A tensor subclass whose __torch_function__ must see the calls that move it."""
+
+    seen: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_subclass_buffers_keep_their_dispatch_when_moved():
+    RecordingTensor.seen.clear()
+    buffer = torch.ones(2).as_subclass(RecordingTensor)
+    RecordingTensor.seen.clear()
+    module = nn.Module()
+    with metamode.empty_weights(include_buffers=True):
+        module.register_buffer("recorded", buffer)
+    assert module.recorded.is_meta and type(module.recorded) is RecordingTensor
+    assert "to" in RecordingTensor.seen, RecordingTensor.seen
+    assert buffer.device.type == "cpu"
