@@ -83,14 +83,14 @@ class KeywordParam(nn.Parameter):
     also succeeds; only the record of constructor calls tells the two paths apart.
     """
 
-    calls: ClassVar[list[tuple[str, object, int]]] = []
+    calls: ClassVar[list[tuple[str, bool, object, int]]] = []
     made: ClassVar[list[weakref.ref]] = []
 
     def __new__(cls, data=None, requires_grad=False, quant_state=None, blocksize=64):
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self.quant_state = quant_state
         self.blocksize = blocksize
-        cls.calls.append((data.device.type, quant_state, blocksize))
+        cls.calls.append((data.device.type, requires_grad, quant_state, blocksize))
         cls.made.append(weakref.ref(self))
         return self
 
@@ -98,13 +98,13 @@ class KeywordParam(nn.Parameter):
 def test_bitsandbytes_style_subclass_is_rebuilt_through_its_constructor():
     KeywordParam.calls.clear()
     KeywordParam.made.clear()
-    original = KeywordParam(torch.empty(4), quant_state={"s": 1}, blocksize=32)
+    original = KeywordParam(torch.empty(4), True, quant_state={"s": 1}, blocksize=32)
     module = nn.Module()
     with metamode.empty_weights():
         module.quant = original
     moved = module.quant
-    assert type(moved) is KeywordParam and moved.is_meta and not moved.requires_grad
-    assert KeywordParam.calls == [("cpu", {"s": 1}, 32), ("meta", {"s": 1}, 32)]
+    assert type(moved) is KeywordParam and moved.is_meta and moved.requires_grad
+    assert KeywordParam.calls == [("cpu", True, {"s": 1}, 32), ("meta", True, {"s": 1}, 32)]
     assert KeywordParam.made[-1]() is moved, "the constructor's object must be the one kept"
     assert moved.quant_state == {"s": 1} and moved.blocksize == 32
     assert original.device.type == "cpu" and "requires_grad" not in original.__dict__
@@ -328,3 +328,44 @@ def test_subclass_buffers_keep_their_dispatch_when_moved():
     assert module.recorded.is_meta and type(module.recorded) is RecordingTensor
     assert "to" in RecordingTensor.seen, RecordingTensor.seen
     assert buffer.device.type == "cpu"
+
+
+class PlainConstructorParam(nn.Parameter):
+    """Takes (data, requires_grad) only; attributes are set afterwards."""
+
+    made: ClassVar[list[tuple[weakref.ref, str, bool]]] = []
+
+    def __new__(cls, data=None, requires_grad=True):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        cls.made.append((weakref.ref(self), data.device.type, requires_grad))
+        return self
+
+
+class DowncastingParam(nn.Parameter):
+    """A constructor that returns a plain Parameter instead of its own class."""
+
+    def __new__(cls, data=None, requires_grad=True):
+        if data is not None and data.is_meta:
+            return nn.Parameter(data, requires_grad)
+        return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def test_subclass_without_keyword_constructor_is_rebuilt_through_it():
+    PlainConstructorParam.made.clear()
+    original = PlainConstructorParam(torch.empty(2), requires_grad=False)
+    original.role = "gate"
+    module = nn.Module()
+    with metamode.empty_weights():
+        module.p = original
+    moved = module.p
+    assert type(moved) is PlainConstructorParam and moved.is_meta and moved.role == "gate"
+    reference, device, requires_grad = PlainConstructorParam.made[-1]
+    assert reference() is moved and (device, requires_grad) == ("meta", False)
+
+
+def test_constructor_that_returns_another_class_is_overruled():
+    module = nn.Module()
+    with metamode.empty_weights():
+        module.p = DowncastingParam(torch.empty(3), requires_grad=False)
+    assert type(module.p) is DowncastingParam and module.p.is_meta
+    assert module.p.shape == (3,) and not module.p.requires_grad
