@@ -114,6 +114,14 @@ class ThreadScopedMode(TorchFunctionMode):
         """A new, un-entered context with the same settings."""
         raise NotImplementedError
 
+    def _settings(self) -> tuple | None:
+        """What a fresh copy would do differently; equal settings, equal effect.
+
+        None (the default) means never equal, so a decorated call never
+        reuses an enclosing context of this class.
+        """
+        return None
+
     def _after_enter(self) -> None:
         """Called once this mode is on the stack."""
 
@@ -216,8 +224,23 @@ class ThreadScopedMode(TorchFunctionMode):
                 f"would stay active in the caller's code between `yield`s."
             )
 
+        settings = self._settings()
+
         @functools.wraps(func)
         def run_inside(*args: Any, **kwargs: Any) -> Any:
+            # Already directly inside an equivalent context (recursion, or one
+            # decorated function calling another): pushing another would change
+            # nothing but cost a Python frame in *every* torch call below it --
+            # torch dispatches through each mode on the stack in turn, so 300
+            # recursive calls made 300-deep dispatch and a RecursionError.
+            current = _stack.top()
+            if (
+                settings is not None
+                and type(current) is type(self)
+                and current._state == _ENTERED
+                and current._settings() == settings
+            ):
+                return func(*args, **kwargs)
             with self._fresh():
                 return func(*args, **kwargs)
 
@@ -272,6 +295,9 @@ class EmptyWeights(ThreadScopedMode):
 
     def _fresh(self) -> EmptyWeights:
         return EmptyWeights(self.device, self.include_buffers)
+
+    def _settings(self) -> tuple:
+        return (self.device, self.include_buffers)
 
     def __repr__(self) -> str:
         return (
@@ -331,6 +357,9 @@ class SkipEmptyWeights(ThreadScopedMode):
     def _fresh(self) -> SkipEmptyWeights:
         return SkipEmptyWeights()
 
+    def _settings(self) -> tuple:
+        return ()
+
     def __repr__(self) -> str:
         return "metamode.skip_empty_weights()"
 
@@ -363,6 +392,22 @@ def active_empty_weights() -> EmptyWeights | None:
     return mode if isinstance(mode, EmptyWeights) else None
 
 
+def _bare_decorator(name: str, func: object) -> str:
+    """The error for ``@metamode.<name>`` used without parentheses (or given an argument)."""
+    what = getattr(func, "__qualname__", None) or repr(func)
+    if callable(func):
+        return (
+            f"metamode.{name} was used as a decorator without parentheses on {what}: "
+            f"use @metamode.{name}() instead."
+        )
+    return f"metamode.{name}() takes no arguments, got {what}."
+
+
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    # Tensors on cpu and meta carry no index, whatever index the context was
+    # given ("meta:0", "cpu:0"); comparing it would move -- and so untie -- a
+    # parameter the context had already placed.
     here = tensor.device
-    return here.type == device.type and (device.index is None or here.index == device.index)
+    return here.type == device.type and (
+        device.index is None or here.index is None or here.index == device.index
+    )
