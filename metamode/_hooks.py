@@ -24,7 +24,7 @@ from torch._C import DisableTorchFunction
 from torch.nn import Parameter
 from torch.nn.modules import module as _torch_module
 
-from metamode._modes import active_empty_weights
+from metamode._modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
 from metamode._stack import stack_depth
 
 __all__ = ["installed"]
@@ -57,10 +57,6 @@ def _on_parameter_registered(module, name, param):
             stacklevel=stacklevel,
         )
     return moved
-
-
-class LoadedIntoEmptyWeightsWarning(UserWarning):
-    """``load_state_dict(assign=True)`` ran inside an empty-weights block and was undone."""
 
 
 def _load_state_dict_caller(module, name: str, moved: Parameter) -> int:

@@ -34,6 +34,7 @@ from metamode._skippable import skipped_target
 __all__ = [
     "ContextMisuseError",
     "EmptyWeights",
+    "LoadedIntoEmptyWeightsWarning",
     "SkipEmptyWeights",
     "ThreadScopedMode",
     "active_empty_weights",
@@ -60,6 +61,14 @@ class ContextMisuseError(RuntimeError):
     Raised instead of guessing: re-entering a context object, exiting it in a
     thread that did not enter it, or exiting it while a context entered after
     it is still open.
+    """
+
+
+class LoadedIntoEmptyWeightsWarning(UserWarning):
+    """``load_state_dict(assign=True)`` ran inside an empty-weights block and was undone.
+
+    (Defined here, not in :mod:`metamode._hooks`, so reloading that module
+    cannot make the class the hooks raise differ from the one users filter.)
     """
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 import metamode
-from metamode._hooks import LoadedIntoEmptyWeightsWarning
+from metamode._modes import LoadedIntoEmptyWeightsWarning
 from metamode._stack import stack_depth
 
 # -- LazyLinear ----------------------------------------------------------------
