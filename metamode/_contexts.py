@@ -7,7 +7,12 @@ import os
 
 import torch
 
-from metamode._modes import EmptyWeights, SkipEmptyWeights, active_empty_weights
+from metamode._modes import (
+    EmptyWeights,
+    SkipEmptyWeights,
+    _bare_decorator,
+    active_empty_weights,
+)
 
 __all__ = ["active", "empty_weights", "init_empty_weights", "init_on_device", "skip_empty_weights"]
 
@@ -39,11 +44,11 @@ def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") ->
         TypeError: ``include_buffers`` is not a bool.
     """
     if not isinstance(include_buffers, bool):
-        raise TypeError(f"include_buffers must be a bool, not {include_buffers!r}")
+        raise TypeError(_misused("empty_weights", include_buffers))
     return EmptyWeights(_checked_device(device), include_buffers)
 
 
-def skip_empty_weights() -> SkipEmptyWeights:
+def skip_empty_weights(_bare: object = None, /) -> SkipEmptyWeights:
     """Context manager and decorator: suspend this thread's empty-weights contexts.
 
     Registrations inside it keep their tensors where they are -- PEFT's
@@ -51,7 +56,22 @@ def skip_empty_weights() -> SkipEmptyWeights:
     process-wide flag. A context entered inside it is active again (the
     innermost context wins).
     """
+    if _bare is not None:
+        raise TypeError(_bare_decorator("skip_empty_weights", _bare))
     return SkipEmptyWeights()
+
+
+def _misused(name: str, include_buffers: object) -> str:
+    """The error for a non-bool ``include_buffers``, saying what was probably meant."""
+    if callable(include_buffers):
+        return _bare_decorator(name, include_buffers)
+    if isinstance(include_buffers, (str, torch.device)) or type(include_buffers) is int:
+        device = str(include_buffers) if not isinstance(include_buffers, int) else include_buffers
+        return (
+            f"include_buffers must be a bool, not {include_buffers!r} (the first positional "
+            f"argument is include_buffers). Did you mean {name}(device={device!r})?"
+        )
+    return f"include_buffers must be a bool, not {include_buffers!r}"
 
 
 def active() -> EmptyWeights | None:

@@ -20,11 +20,15 @@ given. The specification is "what the call would return after
   (start/end/step), ``linspace``/``logspace`` (the endpoints; always
   floating unless complex): a bool or integer stays ``bool``/``int64``, a
   float (Python, NumPy or a 0-d tensor: only its kind counts) gives ``dtype``;
-* inferred from *data* -- ``tensor``, ``as_tensor``, ``asarray``: nested
-  lists/tuples of Python numbers containing a float (or no numbers at all,
-  like ``[]``) give ``dtype``; bools and ints stay ``bool``/``int64``; data
-  holding a NumPy array, NumPy scalar or tensor keeps its own dtype, exactly
-  as without the context;
+* inferred from a value's *kind* also for NumPy scalars, where torch reads
+  a NumPy bool as a float (``full((1,), np.bool_(True))`` is floating);
+* inferred from *data* -- ``tensor``, ``as_tensor``, ``asarray``: torch's
+  own rule with ``dtype`` as the default: each leaf's dtype (a Python float
+  or an empty sequence: ``dtype``; int: ``int64``; bool: ``bool``; a
+  tensor, NumPy array or NumPy scalar: its own), promoted together with
+  ``torch.promote_types`` -- so ``[np.float32(1.5), 2.5]`` is ``float64``
+  under ``float64`` and ``[1.5, torch.tensor(2.0)]`` follows the tensor's
+  dtype as promotion does; data with no Python float is left to torch;
 * complex values give ``complex128`` under ``float64`` and ``complex64``
   otherwise (torch itself is inconsistent for half precision: ``complex32``
   from ``torch.tensor``, ``complex64`` from ``torch.full``, an error from
@@ -48,6 +52,8 @@ transformers' own dtype context through this one.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +66,7 @@ __all__ = ["DefaultDtype", "default_dtype"]
 # The dtypes torch.set_default_dtype accepts.
 _ALLOWED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_BOOL, _INT, _FLOAT, _COMPLEX, _OTHER = range(5)
+_BOOL, _INT, _FLOAT, _COMPLEX, _OTHER, _DATA = range(6)
 
 
 def _scalar_kind(value: Any) -> int:
@@ -81,33 +87,59 @@ def _scalar_kind(value: Any) -> int:
         return _BOOL if value.dtype == torch.bool else _INT
     dtype = getattr(value, "dtype", None)  # NumPy scalars
     kind = getattr(dtype, "kind", None)
-    return {"b": _BOOL, "i": _INT, "u": _INT, "f": _FLOAT, "c": _COMPLEX}.get(kind, _OTHER)
+    # torch reads a NumPy bool as a float here: full((1,), np.bool_(True)) and
+    # arange(np.bool_(True)) are of the default floating dtype.
+    return {"b": _FLOAT, "i": _INT, "u": _INT, "f": _FLOAT, "c": _COMPLEX}.get(kind, _OTHER)
 
 
-def _data_kind(data: Any) -> int:
-    """Kind of nested Python data as ``torch.tensor`` infers it; _OTHER if not pure Python.
+def _data_dtype(data: Any, dtype: torch.dtype, complex_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype ``torch.tensor(data)`` gets with ``dtype`` as the default, or None.
 
-    Empty sequences count as float (``torch.tensor([])`` is floating). Any
-    leaf that carries its own dtype (array, tensor, NumPy scalar) makes the
-    result _OTHER: torch then uses that dtype, and so does this mode.
+    torch's own inference: every leaf has a dtype -- a Python float (or an
+    empty sequence) the default, a complex ``complex_dtype``, an int
+    ``int64``, a bool ``bool``, a tensor, NumPy array or NumPy scalar its own
+    -- and the result is their ``torch.promote_types``. So ``[1.5,
+    torch.tensor(2.0)]`` follows the default only as far as promotion lets
+    it. None when no leaf takes the default (the default plays no part) or a
+    leaf is something else (torch then decides alone, as without the context).
     """
-    kind = -1
+    result: torch.dtype | None = None
+    uses_default = False
     pending = [data]
     while pending:
         item = pending.pop()
-        if type(item) is list or type(item) is tuple:
-            pending.extend(item)
-        elif type(item) is bool:
-            kind = max(kind, _BOOL)
-        elif type(item) is int:
-            kind = max(kind, _INT)
-        elif type(item) is float:
-            kind = max(kind, _FLOAT)
-        elif type(item) is complex:
-            kind = max(kind, _COMPLEX)
+        kind = type(item)
+        if kind is list or kind is tuple:
+            if item:
+                pending.extend(item)
+                continue
+            leaf, uses_default = dtype, True
+        elif kind is float:
+            leaf, uses_default = dtype, True
+        elif kind is bool:
+            leaf = torch.bool
+        elif kind is int:
+            leaf = torch.int64
+        elif kind is complex:
+            leaf, uses_default = complex_dtype, True
+        elif isinstance(item, torch.Tensor):
+            leaf = item.dtype
         else:
-            return _OTHER
-    return _FLOAT if kind == -1 else kind
+            numpy_dtype = getattr(item, "dtype", None) if kind.__module__ == "numpy" else None
+            leaf = None if numpy_dtype is None else _numpy_dtype(numpy_dtype)
+            if leaf is None:
+                return None
+        if leaf is not result:
+            result = leaf if result is None else torch.promote_types(result, leaf)
+    return result if uses_default else None
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype(numpy_dtype: Any) -> torch.dtype | None:
+    try:
+        return torch.from_numpy(sys.modules["numpy"].empty(0, dtype=numpy_dtype)).dtype
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def _always_floating(args: tuple, kwargs: dict) -> int:
@@ -136,12 +168,16 @@ def _spaced(args: tuple, kwargs: dict) -> int:
 
 
 def _data(args: tuple, kwargs: dict) -> int:
+    return _DATA  # the dtype itself comes from _data_dtype
+
+
+def _data_argument(args: tuple, kwargs: dict) -> Any:
     if args:
-        return _data_kind(args[0])
+        return args[0]
     for key in ("data", "obj"):
         if key in kwargs:
-            return _data_kind(kwargs[key])
-    return _OTHER
+            return kwargs[key]
+    return None
 
 
 _RULES: dict[Any, Callable[[tuple, dict], int]] = {
@@ -188,6 +224,9 @@ class DefaultDtype(ThreadScopedMode):
     def _fresh(self) -> DefaultDtype:
         return DefaultDtype(self.dtype)
 
+    def _settings(self) -> tuple:
+        return (self.dtype,)
+
     def __repr__(self) -> str:
         return f"metamode.default_dtype({self.dtype})"
 
@@ -201,6 +240,11 @@ class DefaultDtype(ThreadScopedMode):
                 kwargs["dtype"] = self.dtype
             elif kind == _COMPLEX:
                 kwargs["dtype"] = self._complex
+            elif kind == _DATA:
+                data = _data_argument(args, kwargs)
+                inferred = _data_dtype(data, self.dtype, self._complex)
+                if inferred is not None:
+                    kwargs["dtype"] = inferred
         return func(*args, **kwargs)
 
 
@@ -227,6 +271,12 @@ def default_dtype(dtype: torch.dtype) -> DefaultDtype:
         TypeError: ``dtype`` is not a ``torch.dtype``.
         ValueError: ``dtype`` is not one of the floating dtypes above.
     """
+    if callable(dtype) and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"metamode.default_dtype was used as a decorator without a dtype on "
+            f"{getattr(dtype, '__qualname__', dtype)!r}: use "
+            f"@metamode.default_dtype(torch.float16) (or another dtype)."
+        )
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, not {dtype!r}")
     if dtype not in _ALLOWED:

@@ -15,13 +15,16 @@ return after one C call (``len`` of the thread's mode stack).
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 from torch import Tensor
 from torch._C import DisableTorchFunction
 from torch.nn import Parameter
 from torch.nn.modules import module as _torch_module
 
-from metamode._modes import active_empty_weights
+from metamode._modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
 from metamode._stack import stack_depth
 
 __all__ = ["installed"]
@@ -39,8 +42,47 @@ def _on_parameter_registered(module, name, param):
         # -> 1.41x torch.device('meta') on a Llama-7B skeleton). Subclasses keep
         # their dispatch: their constructors may rely on it.
         with DisableTorchFunction():
-            return context.place_parameter(param)
-    return context.place_parameter(param)
+            moved = context.place_parameter(param)
+    else:
+        moved = context.place_parameter(param)
+    stacklevel = moved is not None and _load_state_dict_caller(module, name, moved)
+    if stacklevel:
+        warnings.warn(
+            f"load_state_dict(assign=True) inside {context!r} assigned "
+            f"{type(module).__qualname__}.{name}, and the block put it back on "
+            f"{moved.device}: the loaded values are not in the model. Call "
+            f"load_state_dict(..., assign=True) after the block (outside the "
+            f"context, or outside the %%empty_weights cell).",
+            LoadedIntoEmptyWeightsWarning,
+            stacklevel=stacklevel,
+        )
+    return moved
+
+
+def _load_state_dict_caller(module, name: str, moved: Parameter) -> int:
+    """The stack level of the code that called ``load_state_dict(assign=True)``, or 0.
+
+    Nonzero only when a parameter the context already placed is being replaced
+    by one it had to move (torch runs the hooks before storing it) from inside
+    ``Module._load_from_state_dict``.
+    """
+    old = module._parameters.get(name)
+    if old is None or old.device != moved.device:
+        return 0
+    frame, level = sys._getframe(1), 1
+    while frame is not None and level < 8:  # the hook <- register_parameter <- __setattr__
+        if frame.f_code is _LOAD_FROM_STATE_DICT:
+            break
+        frame, level = frame.f_back, level + 1
+    else:
+        return 0
+    while frame is not None and frame.f_code.co_filename == _TORCH_MODULE_FILE:
+        frame, level = frame.f_back, level + 1  # out of torch's load_state_dict
+    return level
+
+
+_LOAD_FROM_STATE_DICT = torch.nn.Module._load_from_state_dict.__code__
+_TORCH_MODULE_FILE = _LOAD_FROM_STATE_DICT.co_filename
 
 
 def _on_buffer_registered(module, name, tensor):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from metamode._skippable import skipped_target
 __all__ = [
     "ContextMisuseError",
     "EmptyWeights",
+    "LoadedIntoEmptyWeightsWarning",
     "SkipEmptyWeights",
     "ThreadScopedMode",
     "active_empty_weights",
@@ -41,6 +43,16 @@ __all__ = [
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _NEW, _ENTERED, _EXITED = "new", "entered", "exited"
+# Entered, then an exit was refused because it came from another thread: the
+# mode may still sit on its owner's stack, but it no longer acts (see
+# ThreadScopedMode._refuse_foreign_exit).
+_INERT = "inert"
+
+# Inert modes not yet taken off their owner's stack. Only the owner thread can
+# do that (a thread's stack is its own); it does so the next time it enters or
+# exits a metamode context. Weak: a dead thread's stack frees its modes.
+_LEFT_INERT: weakref.WeakSet[ThreadScopedMode] = weakref.WeakSet()
+_LEFT_INERT_LOCK = threading.Lock()
 
 
 class ContextMisuseError(RuntimeError):
@@ -49,6 +61,14 @@ class ContextMisuseError(RuntimeError):
     Raised instead of guessing: re-entering a context object, exiting it in a
     thread that did not enter it, or exiting it while a context entered after
     it is still open.
+    """
+
+
+class LoadedIntoEmptyWeightsWarning(UserWarning):
+    """``load_state_dict(assign=True)`` ran inside an empty-weights block and was undone.
+
+    (Defined here, not in :mod:`metamode._hooks`, so reloading that module
+    cannot make the class the hooks raise differ from the one users filter.)
     """
 
 
@@ -61,26 +81,64 @@ class ThreadScopedMode(TorchFunctionMode):
     thread. This base class checks ownership and order first, so misuse raises
     :class:`ContextMisuseError` and leaves every other context intact.
 
+    An exit refused because it came from another thread (a generator holding
+    the context closed or garbage-collected there) still raises, and also
+    makes the context *inert*: its ``__torch_function__`` passes every call
+    through, :func:`active_empty_weights` and the registration hooks ignore
+    it, and its owner thread drops it from its stack the next time it enters
+    or exits a metamode context.
+
     Instances are also decorators: each call of the decorated function runs
     under a fresh copy (see :meth:`_fresh`), so one decorator serves any number
     of calls and threads.
     """
 
+    _inert = False  # class default; set on the instance only, never on the class
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every subclass's handler gets the inert check, so no subclass can
+        # forget it: an inert mode on its owner's stack must not act.
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_function__")
+        if handler is None or getattr(handler, "__metamode_inert_checked__", False):
+            return
+
+        @functools.wraps(handler)
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if self._inert:
+                return func(*args, **(kwargs or {}))
+            return handler(self, func, types, args, kwargs)
+
+        __torch_function__.__metamode_inert_checked__ = True
+        cls.__torch_function__ = __torch_function__  # at class creation only
+
     def __init__(self) -> None:
         super().__init__()
         self._state = _NEW
         self._owner: int | None = None
+        self._owner_name = ""
 
     # -- subclass interface -------------------------------------------------
     def _fresh(self) -> ThreadScopedMode:
         """A new, un-entered context with the same settings."""
         raise NotImplementedError
 
+    def _settings(self) -> tuple | None:
+        """What a fresh copy would do differently; equal settings, equal effect.
+
+        None (the default) means never equal, so a decorated call never
+        reuses an enclosing context of this class.
+        """
+        return None
+
     def _after_enter(self) -> None:
         """Called once this mode is on the stack."""
 
     def _before_exit(self) -> None:
         """Called just before this mode leaves the stack (also on misuse)."""
+
+    def _after_refused_exit(self) -> None:
+        """Called, in the refusing thread, once this mode has become inert."""
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> ThreadScopedMode:
@@ -89,7 +147,10 @@ class ThreadScopedMode(TorchFunctionMode):
                 f"{self!r} was already entered once; contexts are single-use. "
                 f"Create a new one for each `with` block (or use it as a decorator)."
             )
+        if _LEFT_INERT:
+            _drop_inert_modes()
         self._owner = threading.get_ident()
+        self._owner_name = threading.current_thread().name
         self._state = _ENTERED
         _push_mode(self)
         try:
@@ -101,14 +162,19 @@ class ThreadScopedMode(TorchFunctionMode):
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._state == _INERT and threading.get_ident() == self._owner:
+            # The refused exit, retried in the right thread: finish it quietly.
+            self._state = _EXITED
+            with _LEFT_INERT_LOCK:
+                _LEFT_INERT.discard(self)
+            _stack.remove(self)
+            return
         if self._state != _ENTERED:
             raise ContextMisuseError(f"{self!r} is not active; it cannot be exited.")
         if threading.get_ident() != self._owner:
-            raise ContextMisuseError(
-                f"{self!r} was entered in thread {self._owner} but exited in thread "
-                f"{threading.get_ident()}. A context only exists on the stack of the "
-                f"thread that entered it; exit it there."
-            )
+            self._refuse_foreign_exit()
+        if _LEFT_INERT:
+            _drop_inert_modes()
         self._state = _EXITED
         self._before_exit()
         if _stack.top() is self:
@@ -133,6 +199,26 @@ class ThreadScopedMode(TorchFunctionMode):
             f"the reverse order of entering them."
         )
 
+    def _refuse_foreign_exit(self) -> None:
+        # This thread cannot touch the owner's stack, and raising alone would
+        # leave the context acting in the owner for good. So it stops acting
+        # (inert) and the refusal stays loud.
+        self._state = _INERT
+        self._inert = True
+        with _LEFT_INERT_LOCK:
+            _LEFT_INERT.add(self)
+        self._after_refused_exit()
+        here = threading.current_thread()
+        raise ContextMisuseError(
+            f"{self!r} was entered in thread {self._owner_name!r} ({self._owner}) but "
+            f"exited in thread {here.name!r} ({here.ident}). A context exists only on "
+            f"the stack of the thread that entered it, so it cannot be removed from "
+            f"here; it is now inert (it no longer acts in {self._owner_name!r}, which "
+            f"drops it when it next enters or exits a metamode context). Fix: exit it "
+            f"in the thread that entered it -- a generator holding it must be closed "
+            f"or exhausted in that thread, not garbage-collected or closed elsewhere."
+        )
+
     # -- decorator protocol -------------------------------------------------
     def __call__(self, func: _F) -> _F:
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
@@ -147,8 +233,23 @@ class ThreadScopedMode(TorchFunctionMode):
                 f"would stay active in the caller's code between `yield`s."
             )
 
+        settings = self._settings()
+
         @functools.wraps(func)
         def run_inside(*args: Any, **kwargs: Any) -> Any:
+            # Already directly inside an equivalent context (recursion, or one
+            # decorated function calling another): pushing another would change
+            # nothing but cost a Python frame in *every* torch call below it --
+            # torch dispatches through each mode on the stack in turn, so 300
+            # recursive calls made 300-deep dispatch and a RecursionError.
+            current = _stack.top()
+            if (
+                settings is not None
+                and type(current) is type(self)
+                and current._state == _ENTERED
+                and current._settings() == settings
+            ):
+                return func(*args, **kwargs)
             with self._fresh():
                 return func(*args, **kwargs)
 
@@ -156,8 +257,19 @@ class ThreadScopedMode(TorchFunctionMode):
 
     @property
     def is_active(self) -> bool:
-        """True between a successful ``__enter__`` and ``__exit__``."""
+        """True between a successful ``__enter__`` and ``__exit__`` (False once inert)."""
         return self._state == _ENTERED
+
+
+def _drop_inert_modes() -> None:
+    """Take the calling thread's inert modes off its stack (only it can)."""
+    me = threading.get_ident()
+    with _LEFT_INERT_LOCK:
+        mine = [mode for mode in _LEFT_INERT if mode._owner == me]
+        for mode in mine:
+            _LEFT_INERT.discard(mode)
+    for mode in mine:
+        _stack.remove(mode)
 
 
 class EmptyWeights(ThreadScopedMode):
@@ -182,7 +294,9 @@ class EmptyWeights(ThreadScopedMode):
         super().__init__()
         self.device = device
         self.include_buffers = include_buffers
-        self._suspended = 0
+        # The skip_empty_weights contexts suspending this one (a set, not a
+        # counter: an inert skip drops itself from another thread).
+        self._suspended: set[SkipEmptyWeights] = set()
         self._skip_init = device.type == "meta"
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
         # huge model's CPU originals are not kept alive by the context.
@@ -190,6 +304,9 @@ class EmptyWeights(ThreadScopedMode):
 
     def _fresh(self) -> EmptyWeights:
         return EmptyWeights(self.device, self.include_buffers)
+
+    def _settings(self) -> tuple:
+        return (self.device, self.include_buffers)
 
     def __repr__(self) -> str:
         return (
@@ -249,18 +366,27 @@ class SkipEmptyWeights(ThreadScopedMode):
     def _fresh(self) -> SkipEmptyWeights:
         return SkipEmptyWeights()
 
+    def _settings(self) -> tuple:
+        return ()
+
     def __repr__(self) -> str:
         return "metamode.skip_empty_weights()"
 
     def _after_enter(self) -> None:
-        self._suspends = [m for m in _stack.modes_innermost_first() if isinstance(m, EmptyWeights)]
+        self._suspends = [
+            m
+            for m in _stack.modes_innermost_first()
+            if isinstance(m, EmptyWeights) and not m._inert
+        ]
         for mode in self._suspends:
-            mode._suspended += 1
+            mode._suspended.add(self)
 
     def _before_exit(self) -> None:
         for mode in self._suspends:
-            mode._suspended -= 1
+            mode._suspended.discard(self)
         self._suspends = []
+
+    _after_refused_exit = _before_exit  # an inert skip suspends nothing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -271,10 +397,26 @@ _SCOPES = (EmptyWeights, SkipEmptyWeights)
 
 def active_empty_weights() -> EmptyWeights | None:
     """The empty-weights context governing this thread now, or None."""
-    mode = _stack.innermost(_SCOPES)
+    mode = _stack.innermost(_SCOPES, skip_inert=True)
     return mode if isinstance(mode, EmptyWeights) else None
 
 
+def _bare_decorator(name: str, func: object) -> str:
+    """The error for ``@metamode.<name>`` used without parentheses (or given an argument)."""
+    what = getattr(func, "__qualname__", None) or repr(func)
+    if callable(func):
+        return (
+            f"metamode.{name} was used as a decorator without parentheses on {what}: "
+            f"use @metamode.{name}() instead."
+        )
+    return f"metamode.{name}() takes no arguments, got {what}."
+
+
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    # Tensors on cpu and meta carry no index, whatever index the context was
+    # given ("meta:0", "cpu:0"); comparing it would move -- and so untie -- a
+    # parameter the context had already placed.
     here = tensor.device
-    return here.type == device.type and (device.index is None or here.index == device.index)
+    return here.type == device.type and (
+        device.index is None or here.index is None or here.index == device.index
+    )

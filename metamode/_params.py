@@ -7,24 +7,33 @@ constructor does not take their attributes. Here the original is never
 touched, the subclass constructor is tried the bitsandbytes way first
 (attributes as keyword arguments), and if it refuses, the object is rebuilt
 the way ``nn.Parameter.__new__`` itself does it.
+
+A lazy module's ``UninitializedParameter``/``UninitializedBuffer`` holds no
+data to copy: it is recreated, uninitialised, on the new device -- what
+``torch.device(device)`` gives.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import Parameter
+from torch.nn.parameter import UninitializedTensorMixin
 
 __all__ = ["moved_parameter", "moved_tensor"]
 
 
 def moved_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device`` (a buffer: plain data, no autograd history)."""
+    if isinstance(tensor, UninitializedTensorMixin):
+        return _uninitialised_on(tensor, device)
     with torch.no_grad():
         return tensor.detach().to(device)
 
 
 def moved_parameter(param: Parameter, device: torch.device) -> Parameter:
     """A parameter of the same class, ``requires_grad`` and attributes on ``device``."""
+    if isinstance(param, UninitializedTensorMixin):
+        return _uninitialised_on(param, device)
     data = moved_tensor(param, device)
     cls = type(param)
     attributes = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
@@ -38,15 +47,36 @@ def moved_parameter(param: Parameter, device: torch.device) -> Parameter:
     return moved
 
 
+def _uninitialised_on(tensor, device: torch.device):
+    moved = type(tensor)(requires_grad=tensor.requires_grad, device=device, dtype=tensor.dtype)
+    moved.__dict__.update(tensor.__dict__)  # UninitializedBuffer's ``persistent``
+    return moved
+
+
 def _rebuilt_subclass(cls: type, data: torch.Tensor, requires_grad: bool, attributes: dict):
-    try:  # bitsandbytes-style: every attribute is a constructor argument
-        moved = cls(data, requires_grad=requires_grad, **attributes)
-    except TypeError:
+    # A third-party constructor refusing arguments it does not know may raise
+    # anything (TypeError, ValueError, KeyError, an assert...): both attempts
+    # are only attempts, and the last resort below needs no constructor. If
+    # even that fails, every refusal is in the error.
+    refusals: list[Exception] = []
+    moved = None
+    attempts = ({"requires_grad": requires_grad, **attributes}, {"requires_grad": requires_grad})
+    for kwargs in attempts:
+        try:  # first bitsandbytes-style: every attribute is a constructor argument
+            moved = cls(data, **kwargs)
+            break
+        except Exception as refusal:
+            refusals.append(refusal)
+    if moved is None or type(moved) is not cls or moved.device != data.device:
         try:
-            moved = cls(data, requires_grad=requires_grad)
-        except TypeError:
             moved = torch.Tensor._make_subclass(cls, data, requires_grad)
-    if type(moved) is not cls or moved.device != data.device:
-        moved = torch.Tensor._make_subclass(cls, data, requires_grad)
+        except Exception as error:
+            raise TypeError(
+                f"cannot rebuild a {cls.__qualname__} on {data.device}: its constructor "
+                f"refused ({'; '.join(f'{type(e).__name__}: {e}' for e in refusals)}) and "
+                f"torch.Tensor._make_subclass failed ({type(error).__name__}: {error}). "
+                f"Build this parameter outside the metamode context, or give its class a "
+                f"constructor that accepts (data, requires_grad=...)."
+            ) from error
     moved.requires_grad_(requires_grad)
     return moved

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
-from metamode._modes import ThreadScopedMode
+from metamode._modes import ThreadScopedMode, _bare_decorator
 from metamode._skippable import (
     OVERWRITING_METHOD_NAMES,
     bound_in_nn_init,
@@ -94,6 +94,9 @@ class SkipInit(ThreadScopedMode):
     def _fresh(self) -> SkipInit:
         return SkipInit()
 
+    def _settings(self) -> tuple:
+        return ()
+
     def __repr__(self) -> str:
         return "metamode.skip_init()"
 
@@ -106,7 +109,7 @@ class SkipInit(ThreadScopedMode):
         return func(*args, **kwargs)
 
 
-def skip_init() -> SkipInit:
+def skip_init(_bare: object = None, /) -> SkipInit:
     """Context manager and decorator: don't initialise parameters in this thread.
 
     While active in the calling thread, the calls that would fill an
@@ -127,4 +130,6 @@ def skip_init() -> SkipInit:
         ...     layer = torch.nn.Linear(4096, 4096)   # no kaiming_uniform_ pass
         >>> layer.load_state_dict(checkpoint)
     """
+    if _bare is not None:
+        raise TypeError(_bare_decorator("skip_init", _bare))
     return SkipInit()

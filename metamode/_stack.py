@@ -25,8 +25,11 @@ def modes_innermost_first() -> Iterator[TorchFunctionMode]:
         yield _get_function_stack_at(index)
 
 
-def innermost(kinds: type | tuple[type, ...]) -> TorchFunctionMode | None:
+def innermost(kinds: type | tuple[type, ...], skip_inert: bool = False) -> TorchFunctionMode | None:
     """The most recently entered mode of one of ``kinds`` in this thread, or None.
+
+    With ``skip_inert``, modes whose ``_inert`` is true (a context whose exit
+    was refused, still on its owner's stack) are passed over.
 
     This runs on every parameter registration while any mode is active, so the
     common case -- an empty stack -- costs one C call.
@@ -34,7 +37,7 @@ def innermost(kinds: type | tuple[type, ...]) -> TorchFunctionMode | None:
     depth = _len_torch_function_stack()
     for index in range(depth - 1, -1, -1):
         mode = _get_function_stack_at(index)
-        if isinstance(mode, kinds):
+        if isinstance(mode, kinds) and not (skip_inert and mode._inert):
             return mode
     return None
 

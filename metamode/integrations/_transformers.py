@@ -57,6 +57,9 @@ class LinspaceOnCpu(ThreadScopedMode):
     def _fresh(self) -> LinspaceOnCpu:
         return LinspaceOnCpu()
 
+    def _settings(self) -> tuple:
+        return ()
+
     def __repr__(self) -> str:
         return "metamode.integrations._transformers.LinspaceOnCpu()"
 
