@@ -11,9 +11,13 @@
   which patches ``torch.nn.Module.register_parameter`` and can leak the patch
   (see :mod:`metamode.integrations._accelerate`).
 
-The shim rebinds ``no_init_weights`` to :func:`metamode.skip_init` (by
-identity, wherever diffusers bound it; ``from_pretrained`` looks it up in its
-module at call time) and enables the accelerate shim. No class attribute is
+The shim rebinds ``no_init_weights`` to a thread-scoped context that skips
+exactly the calls diffusers' skips -- ``torch.nn.init.<name>`` for the names
+in diffusers' own ``TORCH_INIT_FUNCTIONS``, and nothing else (see
+:mod:`metamode.integrations._exact_skip`), so a load comes out bitwise as it
+does stock, complete checkpoint or not -- (by identity, wherever diffusers
+bound it; ``from_pretrained`` looks it up in its module at call time) and
+enables the accelerate shim. No class attribute is
 touched, which leaves one thing process-global: with ``torch_dtype=...``,
 ``from_pretrained`` calls ``cls._set_default_torch_dtype(torch_dtype)`` -- a
 classmethod -- and later ``torch.set_default_dtype(dtype_orig)``. Neither is
@@ -25,16 +29,20 @@ from __future__ import annotations
 
 import importlib.util
 
-from metamode._skip_init import SkipInit, skip_init
 from metamode.integrations import _accelerate
-from metamode.integrations._rebind import _LOCK, Rebinding
+from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
+from metamode.integrations._rebind import _LOCK, IncompatibleLibraryError, Rebinding
 
 __all__ = ["disable_for_diffusers", "enable_for_diffusers"]
 
 
-def no_init_weights() -> SkipInit:
+# diffusers' TORCH_INIT_FUNCTIONS names, read when the shim is enabled.
+_init_names: frozenset[str] = frozenset()
+
+
+def no_init_weights() -> SkipLibraryInit:
     """metamode's replacement for ``diffusers.models.modeling_utils.no_init_weights``."""
-    return skip_init()
+    return SkipLibraryInit(_init_names)
 
 
 _DIFFUSERS = Rebinding(
@@ -52,7 +60,9 @@ _enabled_accelerate = False
 def enable_for_diffusers() -> tuple[str, ...]:
     """Make diffusers' ``ModelMixin.from_pretrained`` build models thread-scoped.
 
-    Rebinds ``no_init_weights`` to a :func:`metamode.skip_init` context and,
+    Rebinds ``no_init_weights`` to a thread-scoped context that skips exactly
+    the ``torch.nn.init`` calls diffusers' own skips (its
+    ``TORCH_INIT_FUNCTIONS``, read now), so models come out bitwise as stock; and,
     if accelerate is installed, enables :func:`metamode.enable_for_accelerate`
     (diffusers' ``low_cpu_mem_usage`` path enters
     ``accelerate.init_empty_weights``). All or nothing, under a lock;
@@ -69,14 +79,16 @@ def enable_for_diffusers() -> tuple[str, ...]:
         metamode.IncompatibleLibraryError: this diffusers (or accelerate) lacks
             a name the shim replaces; nothing was changed.
     """
-    global _enabled_accelerate
+    global _enabled_accelerate, _init_names
     with _LOCK:
+        names = _diffusers_init_names()
         bound: list[str] = []
         turned_on = False
         if importlib.util.find_spec("accelerate") is not None:
             turned_on = not _accelerate.accelerate_enabled()
             bound.extend(_accelerate.enable_for_accelerate())
         try:
+            _init_names = names
             bound.extend(_DIFFUSERS.enable())
         except BaseException:
             if turned_on:
@@ -84,6 +96,18 @@ def enable_for_diffusers() -> tuple[str, ...]:
             raise
         _enabled_accelerate = _enabled_accelerate or turned_on
         return tuple(sorted(bound))
+
+
+def _diffusers_init_names() -> frozenset[str]:
+    home = _DIFFUSERS._import_home()
+    try:
+        return library_init_names(home)
+    except AttributeError:
+        raise IncompatibleLibraryError(
+            f"diffusers {_DIFFUSERS._version()} has no TORCH_INIT_FUNCTIONS in "
+            f"{_DIFFUSERS.home_module}, so metamode cannot know which torch.nn.init calls "
+            f"its no_init_weights skips; nothing was changed."
+        ) from None
 
 
 def disable_for_diffusers() -> tuple[str, ...]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from metamode.integrations._rebind import _LOCK
 
-__all__ = ["disable", "enable"]
+__all__ = ["disable", "enable", "enabled", "is_enabled"]
 
 
 def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
@@ -87,3 +88,39 @@ def disable() -> dict[str, tuple[str, ...]]:
             if _installed(library) and is_on():
                 restored[library] = turn_off()
         return restored
+
+
+def _find(library: str) -> tuple[Callable, Callable, Callable]:
+    for name, turn_on, turn_off, is_on in _integrations():
+        if name == library:
+            return turn_on, turn_off, is_on
+    known = ", ".join(repr(name) for name, *_ in _integrations())
+    raise ValueError(f"metamode has no shim for {library!r}; it has shims for {known}.")
+
+
+def is_enabled(library: str) -> bool:
+    """True if metamode's shim for ``library`` (``"peft"``, ``"accelerate"``,
+    ``"diffusers"``, ``"transformers"``) is on. Raises ``ValueError`` for other names."""
+    return bool(_find(library)[2]())
+
+
+@contextlib.contextmanager
+def enabled(*libraries: str) -> Iterator[None]:
+    """Turn the named shims on for the block (all four if none are named), for tests.
+
+    Shims that were already on stay on afterwards; the others are turned off
+    again on exit, whatever happens in the block. Not for production code:
+    call :func:`enable` once at start-up instead.
+    """
+    names = libraries or tuple(name for name, *_ in _integrations() if _installed(name))
+    found = [(name, *_find(name)) for name in names]
+    turned_on: list[Callable] = []
+    try:
+        for _, turn_on, turn_off, is_on in found:
+            if not is_on():
+                turn_on()
+                turned_on.append(turn_off)
+        yield
+    finally:
+        for turn_off in reversed(turned_on):
+            turn_off()
