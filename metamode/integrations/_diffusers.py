@@ -28,21 +28,19 @@ torch's default dtype (see the README's "Limitations").
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from metamode.integrations import _accelerate
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
-from metamode.integrations._rebind import _LOCK, IncompatibleLibraryError, Rebinding
+from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
 
 __all__ = ["disable_for_diffusers", "enable_for_diffusers"]
 
 
-# diffusers' TORCH_INIT_FUNCTIONS names, read when the shim is enabled.
-_init_names: frozenset[str] = frozenset()
-
-
 def no_init_weights() -> SkipLibraryInit:
     """metamode's replacement for ``diffusers.models.modeling_utils.no_init_weights``."""
-    return SkipLibraryInit(_init_names)
+    # diffusers' own list, read from the installed diffusers (checked by enable).
+    return SkipLibraryInit(library_init_names(sys.modules[_DIFFUSERS.home_module]))
 
 
 _DIFFUSERS = Rebinding(
@@ -52,9 +50,10 @@ _DIFFUSERS = Rebinding(
     replacements={"no_init_weights": no_init_weights},
 )
 
-# Whether enable_for_diffusers() is what turned the accelerate shim on, so
-# that disable_for_diffusers() undoes exactly what it did.
-_enabled_accelerate = False
+# SHARED["diffusers turned accelerate on"]: whether enable_for_diffusers() is what
+# turned the accelerate shim on, so that disable_for_diffusers() undoes exactly
+# what it did (kept in _rebind so that a reload of this module keeps it).
+_TURNED_ON = "diffusers turned accelerate on"
 
 
 def enable_for_diffusers() -> tuple[str, ...]:
@@ -79,22 +78,20 @@ def enable_for_diffusers() -> tuple[str, ...]:
         metamode.IncompatibleLibraryError: this diffusers (or accelerate) lacks
             a name the shim replaces; nothing was changed.
     """
-    global _enabled_accelerate, _init_names
     with _LOCK:
-        names = _diffusers_init_names()
+        _diffusers_init_names()
         bound: list[str] = []
         turned_on = False
         if importlib.util.find_spec("accelerate") is not None:
             turned_on = not _accelerate.accelerate_enabled()
             bound.extend(_accelerate.enable_for_accelerate())
         try:
-            _init_names = names
             bound.extend(_DIFFUSERS.enable())
         except BaseException:
             if turned_on:
                 _accelerate.disable_for_accelerate()
             raise
-        _enabled_accelerate = _enabled_accelerate or turned_on
+        SHARED[_TURNED_ON] = SHARED.get(_TURNED_ON, False) or turned_on
         return tuple(sorted(bound))
 
 
@@ -116,12 +113,10 @@ def disable_for_diffusers() -> tuple[str, ...]:
 
     Returns the restored bindings (empty if the shim was not enabled).
     """
-    global _enabled_accelerate
     with _LOCK:
         restored = list(_DIFFUSERS.disable())
-        if _enabled_accelerate:
+        if SHARED.pop(_TURNED_ON, False):
             restored.extend(_accelerate.disable_for_accelerate())
-            _enabled_accelerate = False
         return tuple(sorted(restored))
 
 

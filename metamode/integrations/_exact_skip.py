@@ -154,10 +154,10 @@ class SkipLibraryInit(ThreadScopedMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func in _WRITING_METHODS or (
+        candidate = func in _WRITING_METHODS or (
             type(func) is FunctionType and func.__globals__ is _INIT_DICT
-        ):
-            if _called_by_name(sys._getframe(1), self.names):
-                target, _ = split_target(args, kwargs)
-                return target
+        )
+        if candidate and _called_by_name(sys._getframe(1), self.names):
+            target, _ = split_target(args, kwargs)
+            return target
         return func(*args, **kwargs)
