@@ -76,6 +76,11 @@ class Rebinding:
         return [(self.home_module, name) for name in self.replacements]
 
     @property
+    def _originals(self) -> dict[str, Any]:
+        """``{name: the library's original}`` while enabled (read by the doctor)."""
+        return {n: _ORIGINALS[k] for n, k in zip(self.replacements, self._keys) if k in _ORIGINALS}
+
+    @property
     def enabled(self) -> bool:
         return any(key in _ORIGINALS for key in self._keys)
 
