@@ -42,7 +42,7 @@ def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
 
 
 def _include_buffers(value: bool | None) -> bool:
-    """PEFT's ``include_buffers`` (None means False), checked like :func:`metamode.empty_weights`."""
+    """PEFT's ``include_buffers`` (None is False), checked like :func:`metamode.empty_weights`."""
     if value is None:
         return False
     if not isinstance(value, bool):

@@ -78,7 +78,8 @@ class Rebinding:
     @property
     def _originals(self) -> dict[str, Any]:
         """``{name: the library's original}`` while enabled (read by the doctor)."""
-        return {n: _ORIGINALS[k] for n, k in zip(self.replacements, self._keys) if k in _ORIGINALS}
+        keys = {name: (self.home_module, name) for name in self.replacements}
+        return {name: _ORIGINALS[key] for name, key in keys.items() if key in _ORIGINALS}
 
     @property
     def enabled(self) -> bool:
