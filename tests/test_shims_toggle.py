@@ -133,3 +133,28 @@ def test_is_enabled_and_scoped_enabled():
         metamode.disable_for_peft()
     with pytest.raises(ValueError, match="'torchvision'"):
         metamode.is_enabled("torchvision")
+
+
+def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monkeypatch):
+    """Issue 10 §1: a version with nothing to route is not an error; enable() says why."""
+    import transformers.initialization as initialization
+
+    from metamode.integrations import _enable_all
+
+    monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
+    real_installed = _enable_all._installed
+    monkeypatch.setattr(
+        _enable_all, "_installed", lambda lib: lib != "accelerate" and real_installed(lib)
+    )
+    result = metamode.enable()
+    try:
+        assert isinstance(result, metamode.EnableResult)
+        assert result["transformers"] == ()
+        assert "meta_device_safe_creation_ops" in result.left_alone["transformers"]
+        assert result.left_alone["accelerate"] == "not installed"
+        assert "peft.utils.integrations._init_on_device" in result["peft"]
+        assert metamode.is_enabled("peft") and not metamode.is_enabled("transformers")
+        assert metamode.enable_for_transformers() == ()
+    finally:
+        metamode.disable()
+    assert not any(metamode.is_enabled(lib) for lib in ("peft", "diffusers", "transformers"))

@@ -94,7 +94,10 @@ GPT2LMHeadModel(GPT2Config(**{config!r})).save_pretrained(d)
 reference = {{k: v.clone() for k, v in GPT2LMHeadModel.from_pretrained(d).state_dict().items()}}
 torch.manual_seed(5)
 reference_layer = torch.nn.Linear(4, 4).weight.detach().clone()
-originals = (torch.nn.Module.register_parameter, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_)
+def patched():
+    init = torch.nn.init
+    return (torch.nn.Module.register_parameter, init.normal_, init.kaiming_uniform_)
+originals = patched()
 if ENABLE:
     metamode.enable()
 
@@ -134,8 +137,7 @@ for round_ in range(3):
     for t in threads: t.start()
     for t in threads: t.join(60)
     Gated.gate = None
-    after = (torch.nn.Module.register_parameter, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_)
-    if after != originals:
+    if patched() != originals:
         problems.append("torch left patched")
     if not bool(modeling_utils._init_weights):
         problems.append("_init_weights left False")

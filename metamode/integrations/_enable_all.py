@@ -6,9 +6,25 @@ import contextlib
 import importlib.util
 from collections.abc import Callable, Iterator
 
-from metamode.integrations._rebind import _LOCK
+from metamode.integrations._rebind import _LOCK, SHARED
 
-__all__ = ["disable", "enable", "enabled", "is_enabled"]
+__all__ = ["EnableResult", "disable", "enable", "enabled", "is_enabled"]
+
+
+class EnableResult(dict[str, tuple[str, ...]]):
+    """What :func:`enable` did: ``{library: rebound module.name bindings}``.
+
+    A library whose installed version has nothing for its shim to route maps
+    to ``()``. ``left_alone`` says, for each supported library given ``()`` or
+    not enabled at all, why (``{"transformers": "not installed"}``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left_alone: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"EnableResult({dict(self)!r}, left_alone={self.left_alone!r})"
 
 
 def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
@@ -46,7 +62,7 @@ def _installed(library: str) -> bool:
     return importlib.util.find_spec(library) is not None
 
 
-def enable() -> dict[str, tuple[str, ...]]:
+def enable() -> EnableResult:
     """Enable metamode's shim for every supported library that is installed.
 
     PEFT, accelerate, diffusers and transformers, each as its own
@@ -56,21 +72,28 @@ def enable() -> dict[str, tuple[str, ...]]:
     the ones this call enabled are disabled again before the error
     propagates. Idempotent.
 
-    Returns ``{library: rebound bindings}`` for each installed library.
+    Returns an :class:`EnableResult`: ``{library: rebound bindings}`` for each
+    installed library (``()`` where its version has nothing to route), with
+    ``.left_alone`` giving the reason for every supported library it did not
+    change.
 
     Raises:
         metamode.IncompatibleLibraryError: an installed library lacks the
             internals its shim replaces; nothing was changed.
     """
     with _LOCK:
-        enabled: dict[str, tuple[str, ...]] = {}
+        enabled = EnableResult()
         newly: list[Callable[[], tuple[str, ...]]] = []
         try:
             for library, turn_on, turn_off, is_on in _integrations():
                 if not _installed(library):
+                    enabled.left_alone[library] = "not installed"
                     continue
                 was_on = is_on()
                 enabled[library] = turn_on()
+                reason = SHARED.get(f"left alone: {library}")
+                if not enabled[library] and reason:
+                    enabled.left_alone[library] = reason
                 if not was_on:
                     newly.append(turn_off)
         except BaseException:

@@ -172,6 +172,7 @@ _TRANSFORMERS_4_EMPTY = Rebinding(
 )
 
 _MODELING_UTILS = "transformers.modeling_utils"
+_LEFT_ALONE = "left alone: transformers"  # SHARED key: why enable returned ()
 _FLAG = "transformers: _init_weights flag"  # SHARED key
 
 
@@ -260,8 +261,18 @@ def enable_for_transformers() -> tuple[str, ...]:
             for either major version; nothing was changed.
     """
     with _LOCK:
+        SHARED.pop(_LEFT_ALONE, None)
         if _TRANSFORMERS_4.enabled or not _has_initialization_module():
             return _enable_4()
+        home = _TRANSFORMERS._import_home()
+        if "meta_device_safe_creation_ops" not in vars(home):
+            # A 5.x release without the linspace patch: nothing to route, not an error.
+            SHARED[_LEFT_ALONE] = (
+                f"transformers {_TRANSFORMERS._version()} has no "
+                f"initialization.meta_device_safe_creation_ops (no torch.linspace patch) "
+                f"and no 4.x no_init_weights: nothing for metamode to route"
+            )
+            return ()
         return _TRANSFORMERS.enable()
 
 
