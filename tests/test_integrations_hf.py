@@ -522,11 +522,11 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
 
 def test_enable_is_all_or_nothing(monkeypatch):
     import peft.utils.integrations as peft_integrations
-    import transformers.initialization as initialization
+    import diffusers.models.modeling_utils as modeling_utils
 
     original = peft_integrations.init_empty_weights
-    monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
-    with pytest.raises(metamode.IncompatibleLibraryError, match="meta_device_safe_creation_ops"):
+    monkeypatch.delattr(modeling_utils, "TORCH_INIT_FUNCTIONS")
+    with pytest.raises(metamode.IncompatibleLibraryError, match="TORCH_INIT_FUNCTIONS"):
         metamode.enable()
     assert peft_integrations.init_empty_weights is original
     assert _enable_all.disable() == {}

@@ -69,7 +69,10 @@ class Rebinding:
 
     def __post_init__(self) -> None:
         for name, replacement in self.replacements.items():
-            setattr(replacement, _TAG, (self.home_module, name))
+            try:
+                setattr(replacement, _TAG, (self.home_module, name))
+            except (AttributeError, TypeError):  # a builtin: not recognised after a reload
+                pass
 
     @property
     def _keys(self) -> list[tuple[str, str]]:
