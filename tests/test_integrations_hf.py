@@ -521,8 +521,8 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
 
 
 def test_enable_is_all_or_nothing(monkeypatch):
-    import peft.utils.integrations as peft_integrations
     import diffusers.models.modeling_utils as modeling_utils
+    import peft.utils.integrations as peft_integrations
 
     original = peft_integrations.init_empty_weights
     monkeypatch.delattr(modeling_utils, "TORCH_INIT_FUNCTIONS")

@@ -22,6 +22,7 @@ The one place metamode changes another library's namespace. The rules:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import sys
@@ -69,10 +70,9 @@ class Rebinding:
 
     def __post_init__(self) -> None:
         for name, replacement in self.replacements.items():
-            try:
+            # A builtin can't be tagged: it is then not recognised after a reload.
+            with contextlib.suppress(AttributeError, TypeError):
                 setattr(replacement, _TAG, (self.home_module, name))
-            except (AttributeError, TypeError):  # a builtin: not recognised after a reload
-                pass
 
     @property
     def _keys(self) -> list[tuple[str, str]]:
