@@ -34,7 +34,13 @@ from metamode._skip_init import skip_init
 from metamode._summary import summary
 from metamode.integrations._accelerate import disable_for_accelerate, enable_for_accelerate
 from metamode.integrations._diffusers import disable_for_diffusers, enable_for_diffusers
-from metamode.integrations._enable_all import disable, enable
+from metamode.integrations._enable_all import (
+    EnableResult,
+    disable,
+    enable,
+    enabled,
+    is_enabled,
+)
 from metamode.integrations._peft import disable_for_peft, enable_for_peft
 from metamode.integrations._rebind import IncompatibleLibraryError
 from metamode.integrations._transformers import disable_for_transformers, enable_for_transformers
@@ -61,6 +67,8 @@ __all__ = [
     # library shims
     "enable",
     "disable",
+    "is_enabled",
+    "enabled",
     "enable_for_peft",
     "disable_for_peft",
     "enable_for_accelerate",
@@ -78,4 +86,5 @@ __all__ = [
     "SkipEmptyWeights",
     "ContextMisuseError",
     "IncompatibleLibraryError",
+    "EnableResult",
 ]

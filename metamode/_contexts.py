@@ -102,7 +102,7 @@ _FALSE = ("n", "no", "f", "false", "off", "0")
 
 def _resolve_include_buffers(include_buffers: bool | None) -> bool:
     if include_buffers is not None:
-        return bool(include_buffers)
+        return include_buffers  # empty_weights rejects anything but a bool, naming it
     value = os.environ.get("ACCELERATE_INIT_INCLUDE_BUFFERS", "false").lower()
     if value not in _TRUE + _FALSE:
         raise ValueError(f"ACCELERATE_INIT_INCLUDE_BUFFERS={value!r} is not a truth value")

@@ -376,8 +376,10 @@ def _check_peft_skip() -> list[Finding]:
                 f"{_originals.describe(function).split(' (')[0]}._skip",
                 f"is {flag!r}: PEFT will not move any parameter to meta in any thread "
                 f"(stale unless another thread is inside skip_init_on_device right now)",
-                "peft.utils.integrations._skip_init_on_device (a skip_init_on_device block "
-                "that never exited)",
+                "peft.utils.integrations._skip_init_on_device: a stock skip_init_on_device "
+                "block that is still open in another thread, or was abandoned without "
+                "exiting, or exited after _init_on_device was swapped under it (metamode's "
+                "PEFT shim toggled mid-block, before metamode forwarded the flag)",
                 _repair=clear,
             )
         )

@@ -242,8 +242,10 @@ def _inside_load_contexts() -> bool:
     from metamode._modes import EmptyWeights
     from metamode._skip_init import SkipInit
     from metamode._stack import modes_innermost_first
+    from metamode.integrations._exact_skip import SkipLibraryInit
 
-    if any(isinstance(mode, (EmptyWeights, SkipInit)) for mode in modes_innermost_first()):
+    skips = (EmptyWeights, SkipInit, SkipLibraryInit)
+    if any(isinstance(mode, skips) for mode in modes_innermost_first()):
         return True
     return nn.init.constant_ is not _TORCHS_CONSTANT_
 
@@ -500,7 +502,7 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
         assert "accelerate.init_empty_weights" in bound, "diffusers' load path needs it"
         assert modeling_utils.no_init_weights is _diffusers.no_init_weights
         with modeling_utils.no_init_weights() as context:
-            assert isinstance(context, metamode.skip_init().__class__)
+            assert isinstance(context, _diffusers.SkipLibraryInit)
         restored = metamode.disable_for_diffusers()
         assert set(bound) == set(restored)
         assert modeling_utils.no_init_weights is original
@@ -519,12 +521,12 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
 
 
 def test_enable_is_all_or_nothing(monkeypatch):
+    import diffusers.models.modeling_utils as modeling_utils
     import peft.utils.integrations as peft_integrations
-    import transformers.initialization as initialization
 
     original = peft_integrations.init_empty_weights
-    monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
-    with pytest.raises(metamode.IncompatibleLibraryError, match="meta_device_safe_creation_ops"):
+    monkeypatch.delattr(modeling_utils, "TORCH_INIT_FUNCTIONS")
+    with pytest.raises(metamode.IncompatibleLibraryError, match="TORCH_INIT_FUNCTIONS"):
         metamode.enable()
     assert peft_integrations.init_empty_weights is original
     assert _enable_all.disable() == {}

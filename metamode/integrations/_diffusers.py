@@ -11,9 +11,13 @@
   which patches ``torch.nn.Module.register_parameter`` and can leak the patch
   (see :mod:`metamode.integrations._accelerate`).
 
-The shim rebinds ``no_init_weights`` to :func:`metamode.skip_init` (by
-identity, wherever diffusers bound it; ``from_pretrained`` looks it up in its
-module at call time) and enables the accelerate shim. No class attribute is
+The shim rebinds ``no_init_weights`` to a thread-scoped context that skips
+exactly the calls diffusers' skips -- ``torch.nn.init.<name>`` for the names
+in diffusers' own ``TORCH_INIT_FUNCTIONS``, and nothing else (see
+:mod:`metamode.integrations._exact_skip`), so a load comes out bitwise as it
+does stock, complete checkpoint or not -- (by identity, wherever diffusers
+bound it; ``from_pretrained`` looks it up in its module at call time) and
+enables the accelerate shim. No class attribute is
 touched, which leaves one thing process-global: with ``torch_dtype=...``,
 ``from_pretrained`` calls ``cls._set_default_torch_dtype(torch_dtype)`` -- a
 classmethod -- and later ``torch.set_default_dtype(dtype_orig)``. Neither is
@@ -24,17 +28,19 @@ torch's default dtype (see the README's "Limitations").
 from __future__ import annotations
 
 import importlib.util
+import sys
 
-from metamode._skip_init import SkipInit, skip_init
 from metamode.integrations import _accelerate
-from metamode.integrations._rebind import _LOCK, Rebinding
+from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
+from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
 
 __all__ = ["disable_for_diffusers", "enable_for_diffusers"]
 
 
-def no_init_weights() -> SkipInit:
+def no_init_weights() -> SkipLibraryInit:
     """metamode's replacement for ``diffusers.models.modeling_utils.no_init_weights``."""
-    return skip_init()
+    # diffusers' own list, read from the installed diffusers (checked by enable).
+    return SkipLibraryInit(library_init_names(sys.modules[_DIFFUSERS.home_module]))
 
 
 _DIFFUSERS = Rebinding(
@@ -44,15 +50,18 @@ _DIFFUSERS = Rebinding(
     replacements={"no_init_weights": no_init_weights},
 )
 
-# Whether enable_for_diffusers() is what turned the accelerate shim on, so
-# that disable_for_diffusers() undoes exactly what it did.
-_enabled_accelerate = False
+# SHARED["diffusers turned accelerate on"]: whether enable_for_diffusers() is what
+# turned the accelerate shim on, so that disable_for_diffusers() undoes exactly
+# what it did (kept in _rebind so that a reload of this module keeps it).
+_TURNED_ON = "diffusers turned accelerate on"
 
 
 def enable_for_diffusers() -> tuple[str, ...]:
     """Make diffusers' ``ModelMixin.from_pretrained`` build models thread-scoped.
 
-    Rebinds ``no_init_weights`` to a :func:`metamode.skip_init` context and,
+    Rebinds ``no_init_weights`` to a thread-scoped context that skips exactly
+    the ``torch.nn.init`` calls diffusers' own skips (its
+    ``TORCH_INIT_FUNCTIONS``, read now), so models come out bitwise as stock; and,
     if accelerate is installed, enables :func:`metamode.enable_for_accelerate`
     (diffusers' ``low_cpu_mem_usage`` path enters
     ``accelerate.init_empty_weights``). All or nothing, under a lock;
@@ -69,8 +78,8 @@ def enable_for_diffusers() -> tuple[str, ...]:
         metamode.IncompatibleLibraryError: this diffusers (or accelerate) lacks
             a name the shim replaces; nothing was changed.
     """
-    global _enabled_accelerate
     with _LOCK:
+        _diffusers_init_names()
         bound: list[str] = []
         turned_on = False
         if importlib.util.find_spec("accelerate") is not None:
@@ -82,8 +91,20 @@ def enable_for_diffusers() -> tuple[str, ...]:
             if turned_on:
                 _accelerate.disable_for_accelerate()
             raise
-        _enabled_accelerate = _enabled_accelerate or turned_on
+        SHARED[_TURNED_ON] = SHARED.get(_TURNED_ON, False) or turned_on
         return tuple(sorted(bound))
+
+
+def _diffusers_init_names() -> frozenset[str]:
+    home = _DIFFUSERS._import_home()
+    try:
+        return library_init_names(home)
+    except AttributeError:
+        raise IncompatibleLibraryError(
+            f"diffusers {_DIFFUSERS._version()} has no TORCH_INIT_FUNCTIONS in "
+            f"{_DIFFUSERS.home_module}, so metamode cannot know which torch.nn.init calls "
+            f"its no_init_weights skips; nothing was changed."
+        ) from None
 
 
 def disable_for_diffusers() -> tuple[str, ...]:
@@ -92,12 +113,10 @@ def disable_for_diffusers() -> tuple[str, ...]:
 
     Returns the restored bindings (empty if the shim was not enabled).
     """
-    global _enabled_accelerate
     with _LOCK:
         restored = list(_DIFFUSERS.disable())
-        if _enabled_accelerate:
+        if SHARED.pop(_TURNED_ON, False):
             restored.extend(_accelerate.disable_for_accelerate())
-            _enabled_accelerate = False
         return tuple(sorted(restored))
 
 

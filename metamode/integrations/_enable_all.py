@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from metamode.integrations._rebind import _LOCK
+from metamode.integrations._rebind import _LOCK, SHARED
 
-__all__ = ["disable", "enable"]
+__all__ = ["EnableResult", "disable", "enable", "enabled", "is_enabled"]
+
+
+class EnableResult(dict[str, tuple[str, ...]]):
+    """What :func:`enable` did: ``{library: rebound module.name bindings}``.
+
+    A library whose installed version has nothing for its shim to route maps
+    to ``()``. ``left_alone`` says, for each supported library given ``()`` or
+    not enabled at all, why (``{"transformers": "not installed"}``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left_alone: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"EnableResult({dict(self)!r}, left_alone={self.left_alone!r})"
 
 
 def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
@@ -45,7 +62,7 @@ def _installed(library: str) -> bool:
     return importlib.util.find_spec(library) is not None
 
 
-def enable() -> dict[str, tuple[str, ...]]:
+def enable() -> EnableResult:
     """Enable metamode's shim for every supported library that is installed.
 
     PEFT, accelerate, diffusers and transformers, each as its own
@@ -55,21 +72,28 @@ def enable() -> dict[str, tuple[str, ...]]:
     the ones this call enabled are disabled again before the error
     propagates. Idempotent.
 
-    Returns ``{library: rebound bindings}`` for each installed library.
+    Returns an :class:`EnableResult`: ``{library: rebound bindings}`` for each
+    installed library (``()`` where its version has nothing to route), with
+    ``.left_alone`` giving the reason for every supported library it did not
+    change.
 
     Raises:
         metamode.IncompatibleLibraryError: an installed library lacks the
             internals its shim replaces; nothing was changed.
     """
     with _LOCK:
-        enabled: dict[str, tuple[str, ...]] = {}
+        enabled = EnableResult()
         newly: list[Callable[[], tuple[str, ...]]] = []
         try:
             for library, turn_on, turn_off, is_on in _integrations():
                 if not _installed(library):
+                    enabled.left_alone[library] = "not installed"
                     continue
                 was_on = is_on()
                 enabled[library] = turn_on()
+                reason = SHARED.get(f"left alone: {library}")
+                if not enabled[library] and reason:
+                    enabled.left_alone[library] = reason
                 if not was_on:
                     newly.append(turn_off)
         except BaseException:
@@ -87,3 +111,39 @@ def disable() -> dict[str, tuple[str, ...]]:
             if _installed(library) and is_on():
                 restored[library] = turn_off()
         return restored
+
+
+def _find(library: str) -> tuple[Callable, Callable, Callable]:
+    for name, turn_on, turn_off, is_on in _integrations():
+        if name == library:
+            return turn_on, turn_off, is_on
+    known = ", ".join(repr(name) for name, *_ in _integrations())
+    raise ValueError(f"metamode has no shim for {library!r}; it has shims for {known}.")
+
+
+def is_enabled(library: str) -> bool:
+    """True if metamode's shim for ``library`` (``"peft"``, ``"accelerate"``,
+    ``"diffusers"``, ``"transformers"``) is on. Raises ``ValueError`` for other names."""
+    return bool(_find(library)[2]())
+
+
+@contextlib.contextmanager
+def enabled(*libraries: str) -> Iterator[None]:
+    """Turn the named shims on for the block (all four if none are named), for tests.
+
+    Shims that were already on stay on afterwards; the others are turned off
+    again on exit, whatever happens in the block. Not for production code:
+    call :func:`enable` once at start-up instead.
+    """
+    names = libraries or tuple(name for name, *_ in _integrations() if _installed(name))
+    found = [(name, *_find(name)) for name in names]
+    turned_on: list[Callable] = []
+    try:
+        for _, turn_on, turn_off, is_on in found:
+            if not is_on():
+                turn_on()
+                turned_on.append(turn_off)
+        yield
+    finally:
+        for turn_off in reversed(turned_on):
+            turn_off()

@@ -13,27 +13,90 @@ thread-scoped contexts; every PEFT call site reaches them:
 * ``skip_init_on_device`` (the decorator on LoRA's MultiheadAttention
   ``_restore_weights``) and PEFT's ``init_empty_weights`` look the names up in
   ``peft.utils.integrations`` at call time -- rebound there.
+
+Toggling the shim while another thread is inside a *stock* PEFT context is
+safe: stock ``_skip_init_on_device`` and ``_init_on_device``'s patch look
+``_init_on_device`` up again (to set, restore and read its ``_skip`` flag)
+at exit and at every parameter registration, so they may meet either
+function. metamode's replacement forwards ``_skip`` reads and writes to
+PEFT's own function: there is one flag, whichever function a stock context
+finds, and an exit after the shim was toggled restores it where it was set.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from metamode._contexts import empty_weights, skip_empty_weights
 from metamode._modes import EmptyWeights, SkipEmptyWeights
-from metamode.integrations._rebind import Rebinding
+from metamode.integrations._rebind import _LOCK, SHARED, Rebinding
 
 __all__ = ["disable_for_peft", "enable_for_peft"]
 
 
 def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
     """metamode's replacement for ``peft.utils.integrations.init_empty_weights``."""
-    return empty_weights(include_buffers=bool(include_buffers))
+    return empty_weights(include_buffers=_include_buffers(include_buffers))
 
 
-def _init_on_device(device: torch.device, include_buffers: bool | None = None) -> EmptyWeights:
-    """metamode's replacement for ``peft.utils.integrations._init_on_device``."""
-    return empty_weights(include_buffers=bool(include_buffers), device=device)
+def _include_buffers(value: bool | None) -> bool:
+    """PEFT's ``include_buffers`` (None is False), checked like :func:`metamode.empty_weights`."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"include_buffers must be True, False or None, not {value!r} "
+            f"({type(value).__name__}); a non-empty string such as 'no' would mean True"
+        )
+    return value
+
+
+class _InitOnDevice:
+    """metamode's replacement for ``peft.utils.integrations._init_on_device``.
+
+    Called like PEFT's; its ``_skip`` attribute *is* PEFT's function's (see
+    the module docstring), so stock contexts in flight across a toggle
+    restore the flag they set.
+    """
+
+    def __call__(self, device: torch.device, include_buffers: bool | None = None) -> EmptyWeights:
+        return empty_weights(include_buffers=_include_buffers(include_buffers), device=device)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_skip":
+            return getattr(_peft_function(), "_skip", False)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_skip":
+            _peft_function()._skip = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "_skip":
+            vars(_peft_function()).pop("_skip", None)
+        else:
+            object.__delattr__(self, name)
+
+    def __repr__(self) -> str:
+        return "<metamode's replacement for peft.utils.integrations._init_on_device>"
+
+
+_init_on_device = _InitOnDevice()
+_PEFT_FUNCTION = "peft: _init_on_device"  # SHARED key: PEFT's own function
+
+
+def _peft_function() -> Any:
+    function = SHARED.get(_PEFT_FUNCTION)
+    if function is None:
+        raise RuntimeError(
+            "metamode's PEFT _init_on_device was used before enable_for_peft() recorded "
+            "PEFT's own function; call metamode.enable_for_peft() first."
+        )
+    return function
 
 
 def _skip_init_on_device() -> SkipEmptyWeights:
@@ -71,7 +134,10 @@ def enable_for_peft() -> tuple[str, ...]:
         metamode.IncompatibleLibraryError: this PEFT lacks one of those names;
             nothing was changed.
     """
-    return _PEFT.enable()
+    with _LOCK:
+        bound = _PEFT.enable()
+        SHARED[_PEFT_FUNCTION] = _PEFT._originals["_init_on_device"]
+        return bound
 
 
 def disable_for_peft() -> tuple[str, ...]:

@@ -14,22 +14,40 @@ The one place metamode changes another library's namespace. The rules:
   including ones made by modules imported after ``enable``.
 * A library whose internals lack the expected names gets a clear error naming
   its version and the missing names, and nothing is changed.
+* What was replaced is recorded here, keyed by ``(home_module, name)``, and
+  every replacement is tagged with that key: after ``importlib.reload`` of an
+  integration module (new replacement objects, new ``Rebinding``), ``disable``
+  still finds the old replacements and restores the library's originals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 __all__ = ["IncompatibleLibraryError", "Rebinding"]
 
 _LOCK = threading.RLock()
+# (home_module, name) -> the library's original object, while a shim is on.
+_ORIGINALS: dict[tuple[str, str], Any] = {}
+# Small shared flags of the integration modules, kept here so a reload keeps them.
+SHARED: dict[str, Any] = {}
+_TAG = "_metamode_replaces"
+
+
+def _tag_of(value: Any) -> tuple[str, str] | None:
+    try:
+        tag = getattr(value, _TAG, None)
+    except Exception:  # an object whose __getattr__ raises something else
+        return None
+    return tag if isinstance(tag, tuple) else None
 
 
 class IncompatibleLibraryError(RuntimeError):
@@ -49,17 +67,32 @@ class Rebinding:
     home_module: str
     replacements: Mapping[str, Callable[..., Any]]
     scan: tuple[str, ...] = ()
-    _originals: dict[str, Any] = field(default_factory=dict)
-    _applied: list[tuple[ModuleType, str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, replacement in self.replacements.items():
+            # A builtin can't be tagged: it is then not recognised after a reload.
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(replacement, _TAG, (self.home_module, name))
+
+    @property
+    def _keys(self) -> list[tuple[str, str]]:
+        return [(self.home_module, name) for name in self.replacements]
+
+    @property
+    def _originals(self) -> dict[str, Any]:
+        """``{name: the library's original}`` while enabled (read by the doctor)."""
+        keys = {name: (self.home_module, name) for name in self.replacements}
+        return {name: _ORIGINALS[key] for name, key in keys.items() if key in _ORIGINALS}
 
     @property
     def enabled(self) -> bool:
-        return bool(self._originals)
+        return any(key in _ORIGINALS for key in self._keys)
 
     def enable(self) -> tuple[str, ...]:
         """Rebind; returns the ``module.name`` bindings now pointing at metamode."""
         with _LOCK:
             if self.enabled:
+                self._refresh()
                 return self._describe()
             home = self._import_home()
             missing = [name for name in self.replacements if name not in vars(home)]
@@ -70,8 +103,7 @@ class Rebinding:
                     f"nothing was changed. Please report this with the version."
                 )
             originals = {name: vars(home)[name] for name in self.replacements}
-            ours = set(map(id, self.replacements.values()))
-            if any(id(obj) in ours for obj in originals.values()):
+            if any(_tag_of(obj) is not None for obj in originals.values()):
                 raise IncompatibleLibraryError(
                     f"{self.home_module} already holds metamode's replacements "
                     f"(another copy of metamode enabled this shim?)"
@@ -92,8 +124,8 @@ class Rebinding:
                 for module, attr, original in reversed(applied):
                     setattr(module, attr, original)
                 raise
-            self._originals = originals
-            self._applied = applied
+            for name, original in originals.items():
+                _ORIGINALS[(self.home_module, name)] = original
             return self._describe()
 
     def disable(self) -> tuple[str, ...]:
@@ -101,19 +133,37 @@ class Rebinding:
         with _LOCK:
             if not self.enabled:
                 return ()
-            back = {id(self.replacements[n]): self._originals[n] for n in self._originals}
+            keys = set(self._keys)
             restored = []
-            for module in self._library_modules():
-                for attr, value in list(vars(module).items()):
-                    if id(value) in back:
-                        setattr(module, attr, back[id(value)])
-                        restored.append(f"{module.__name__}.{attr}")
-            self._originals = {}
-            self._applied = []
+            for module, attr, tag in self._ours():
+                if tag in keys and tag in _ORIGINALS:
+                    setattr(module, attr, _ORIGINALS[tag])
+                    restored.append(f"{module.__name__}.{attr}")
+            for key in keys:
+                _ORIGINALS.pop(key, None)
             return tuple(sorted(restored))
 
+    def _ours(self) -> list[tuple[ModuleType, str, tuple[str, str]]]:
+        """Every binding holding a replacement tagged with this shim's home module
+        (this copy's or, after a reload, an older one's)."""
+        found = []
+        for module in self._library_modules():
+            for attr, value in list(vars(module).items()):
+                if callable(value):
+                    tag = _tag_of(value)
+                    if tag is not None and tag[0] == self.home_module:
+                        found.append((module, attr, tag))
+        return found
+
+    def _refresh(self) -> None:
+        """After a reload, point bindings of older replacements at the current ones."""
+        for module, attr, tag in self._ours():
+            replacement = self.replacements.get(tag[1])
+            if replacement is not None and vars(module)[attr] is not replacement:
+                setattr(module, attr, replacement)
+
     def _describe(self) -> tuple[str, ...]:
-        return tuple(sorted(f"{m.__name__}.{a}" for m, a, _ in self._applied))
+        return tuple(sorted(f"{m.__name__}.{a}" for m, a, _ in self._ours()))
 
     def _import_home(self) -> ModuleType:
         try:

@@ -29,15 +29,42 @@ The others stay as they are (README, "Limitations"):
   when ``PreTrainedModel`` was defined, so there is no name to rebind.
 * ``torch.device("meta")`` sets torch's process-global ``CURRENT_DEVICE``.
 
-So concurrent ``from_pretrained`` calls are still not safe with transformers.
+So concurrent ``from_pretrained`` calls are still not safe with transformers 5.
+
+transformers 4.x (``modeling_utils``, no ``initialization`` module) builds the
+model inside ``no_init_weights()`` and, when not under DeepSpeed, its *own*
+copy of accelerate's ``init_empty_weights()``
+(``transformers.integrations.accelerate``; it assigns
+``nn.Module.register_parameter`` like accelerate's and is not accelerate's
+function, so the accelerate shim does not reach it): the shim rebinds that
+copy and ``init_on_device`` to :func:`metamode.empty_weights` contexts (same
+arguments; ``include_buffers`` defaults to False as there). ``no_init_weights`` assigns a no-op
+to the ``torch.nn.init`` functions in ``TORCH_INIT_FUNCTIONS`` and sets the
+module-global ``_init_weights = False``, which ``PreTrainedModel.init_weights``
+reads to skip ``initialize_weights()``/``tie_weights()`` while the model is
+built (so that modules are not marked ``_is_hf_initialized`` and missing keys
+get initialised after loading). Both are process-wide. The shim rebinds
+``no_init_weights`` to a context that skips exactly the calls stock skips, in
+the calling thread (:mod:`metamode.integrations._exact_skip`), and rebinds
+``_init_weights`` -- a module-level name -- to an object whose truth value is
+per thread (``True`` outside such a context, like stock's default). What stays
+process-global in 4.x: ``torch_dtype=`` (``cls._set_default_dtype``, a
+classmethod, and ``restore_default_dtype``) and, under DeepSpeed ZeRO-3,
+``deepspeed.zero.Init``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import threading
+
 import torch
 
-from metamode._modes import ThreadScopedMode
-from metamode.integrations._rebind import Rebinding
+from metamode._contexts import init_on_device as _init_on_device
+from metamode._modes import EmptyWeights, ThreadScopedMode
+from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
+from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
 
 __all__ = ["disable_for_transformers", "enable_for_transformers"]
 
@@ -84,6 +111,131 @@ _TRANSFORMERS = Rebinding(
 )
 
 
+class InitWeightsFlag:
+    """transformers 4.x's ``modeling_utils._init_weights``, one value per thread.
+
+    ``if _init_weights:`` reads this thread's value: ``False`` inside
+    metamode's ``no_init_weights`` in this thread, the default (the value
+    the module held when the shim was enabled) everywhere else.
+    """
+
+    def __init__(self, default: bool) -> None:
+        self.default = default
+        self._local = threading.local()
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "value", self.default)
+
+    def set(self, value: bool) -> bool:
+        """Set this thread's value; returns the previous one."""
+        previous = bool(self)
+        self._local.value = value
+        return previous
+
+    def __repr__(self) -> str:
+        return f"<metamode per-thread transformers _init_weights: {bool(self)} in this thread>"
+
+
+class NoInitWeights(SkipLibraryInit):
+    """transformers 4.x's ``no_init_weights``, in the calling thread only."""
+
+    def __init__(self, names: frozenset[str], flag: InitWeightsFlag) -> None:
+        super().__init__(names)
+        self._flag = flag
+        self._previous = True
+
+    def _fresh(self) -> NoInitWeights:
+        return NoInitWeights(self.names, self._flag)
+
+    def _after_enter(self) -> None:
+        self._previous = self._flag.set(False)
+
+    def _before_exit(self) -> None:
+        self._flag.set(self._previous)
+
+    def __repr__(self) -> str:
+        return "metamode.integrations._transformers.NoInitWeights()"
+
+
+def init_empty_weights(include_buffers: bool = False) -> EmptyWeights:
+    """Replaces transformers 4.x ``integrations.accelerate.init_empty_weights``."""
+    return _init_on_device(torch.device("meta"), include_buffers)
+
+
+def init_on_device(device: torch.device, include_buffers: bool = False) -> EmptyWeights:
+    """metamode's replacement for transformers 4.x ``integrations.accelerate.init_on_device``."""
+    return _init_on_device(device, include_buffers)
+
+
+_TRANSFORMERS_4_EMPTY = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module="transformers.integrations.accelerate",
+    replacements={"init_empty_weights": init_empty_weights, "init_on_device": init_on_device},
+)
+
+_MODELING_UTILS = "transformers.modeling_utils"
+_LEFT_ALONE = "left alone: transformers"  # SHARED key: why enable returned ()
+_FLAG = "transformers: _init_weights flag"  # SHARED key
+
+
+def no_init_weights() -> NoInitWeights:
+    """metamode's replacement for transformers 4.x ``modeling_utils.no_init_weights``."""
+    flag = SHARED.get(_FLAG)
+    if flag is None:  # the shim was disabled while a caller held this function
+        flag = InitWeightsFlag(True)
+    names = library_init_names(sys.modules[_MODELING_UTILS])
+    return NoInitWeights(names, flag)
+
+
+_TRANSFORMERS_4 = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    replacements={"no_init_weights": no_init_weights},
+)
+
+
+def _has_initialization_module() -> bool:
+    try:
+        return importlib.util.find_spec("transformers.initialization") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _enable_4() -> tuple[str, ...]:
+    module = _TRANSFORMERS_4._import_home()
+    missing = [n for n in ("TORCH_INIT_FUNCTIONS", "_init_weights") if n not in vars(module)]
+    if missing:
+        raise IncompatibleLibraryError(
+            f"transformers {_TRANSFORMERS_4._version()} has neither transformers.initialization "
+            f"nor {', '.join(missing)} in {_MODELING_UTILS}; metamode's shim cannot route "
+            f"its model-building contexts safely, so nothing was changed."
+        )
+    bound = _TRANSFORMERS_4.enable()
+    try:
+        bound += _TRANSFORMERS_4_EMPTY.enable()
+    except BaseException:
+        _TRANSFORMERS_4.disable()
+        raise
+    current = module._init_weights
+    if not isinstance(current, InitWeightsFlag):
+        flag = InitWeightsFlag(bool(current))
+        SHARED[_FLAG] = flag
+        module._init_weights = flag
+    return (*bound, f"{_MODELING_UTILS}._init_weights")
+
+
+def _disable_4() -> tuple[str, ...]:
+    restored = [*_TRANSFORMERS_4.disable(), *_TRANSFORMERS_4_EMPTY.disable()]
+    module = sys.modules.get(_MODELING_UTILS)
+    flag = SHARED.pop(_FLAG, None)
+    if module is not None and isinstance(vars(module).get("_init_weights"), InitWeightsFlag):
+        module._init_weights = flag.default if flag is not None else True
+        restored.append(f"{_MODELING_UTILS}._init_weights")
+    return tuple(sorted(restored))
+
+
 def enable_for_transformers() -> tuple[str, ...]:
     """Make transformers' ``torch.linspace`` patch thread-scoped.
 
@@ -98,14 +250,33 @@ def enable_for_transformers() -> tuple[str, ...]:
     still set process-wide by transformers, for the reasons in
     :mod:`metamode.integrations._transformers`.
 
+    On transformers 4.x (no ``transformers.initialization``) it instead
+    rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` to
+    thread-scoped equivalents that build exactly the stock model; with the
+    accelerate shim that makes concurrent same-dtype ``from_pretrained`` calls
+    safe on 4.x (see the module docstring for what stays global).
+
     Returns the rebound ``module.name`` bindings.
 
     Raises:
         ImportError: transformers is not installed.
-        metamode.IncompatibleLibraryError: this transformers lacks the name;
-            nothing was changed.
+        metamode.IncompatibleLibraryError: this transformers lacks the names
+            for either major version; nothing was changed.
     """
-    return _TRANSFORMERS.enable()
+    with _LOCK:
+        SHARED.pop(_LEFT_ALONE, None)
+        if _TRANSFORMERS_4.enabled or not _has_initialization_module():
+            return _enable_4()
+        home = _TRANSFORMERS._import_home()
+        if "meta_device_safe_creation_ops" not in vars(home):
+            # A 5.x release without the linspace patch: nothing to route, not an error.
+            SHARED[_LEFT_ALONE] = (
+                f"transformers {_TRANSFORMERS._version()} has no "
+                f"initialization.meta_device_safe_creation_ops (no torch.linspace patch) "
+                f"and no 4.x no_init_weights: nothing for metamode to route"
+            )
+            return ()
+        return _TRANSFORMERS.enable()
 
 
 def disable_for_transformers() -> tuple[str, ...]:
@@ -113,8 +284,9 @@ def disable_for_transformers() -> tuple[str, ...]:
 
     Returns the restored bindings (empty if the shim was not enabled).
     """
-    return _TRANSFORMERS.disable()
+    with _LOCK:
+        return tuple(sorted((*_TRANSFORMERS.disable(), *_disable_4())))
 
 
 def transformers_enabled() -> bool:
-    return _TRANSFORMERS.enabled
+    return _TRANSFORMERS.enabled or _TRANSFORMERS_4.enabled

@@ -1,0 +1,163 @@
+"""A thread-scoped ``no_init_weights`` that skips exactly what the library's skips.
+
+diffusers' and transformers 4.x's ``no_init_weights`` assign a no-op to the
+``torch.nn.init`` attributes named in their ``TORCH_INIT_FUNCTIONS``, process
+wide. So, stock, a call is skipped exactly when it looks one of those names up
+*as an attribute of* ``torch.nn.init`` while the context is active
+(``nn.init.normal_(w)``, ``torch.nn.init.xavier_uniform_(w)``); a name bound
+earlier (``from torch.nn.init import constant_``, as ``nn.MultiheadAttention``
+does), ``ones_``/``zeros_``/``fill_`` and direct ``param.normal_()`` still
+run. Skipping anything else would change the model: a missing key would keep
+uninitialised memory, and any call skipped or run differently would shift the
+random numbers every later initialisation draws.
+
+:class:`SkipLibraryInit` reproduces that rule in the calling thread only. A
+torch-function mode sees ``uniform_``, ``normal_``, ``constant_`` and
+``kaiming_uniform_`` as one call (they dispatch through
+``handle_torch_function``); the others only as the in-place tensor methods
+they run (``xavier_uniform_`` -> ``uniform_``, ``trunc_normal_`` ->
+``uniform_``, ``erfinv_``, ``mul_``...). For those candidate calls only, the
+mode walks up the Python frames past ``torch.nn.init`` and dispatch frames to
+the call site and reads, from the site's bytecode positions, which name the
+called expression ended with: the call is skipped when it is
+``<something>.NAME(...)`` with ``NAME`` in the library's list and
+``torch.nn.init.NAME`` is the function being run. A skipped call returns its
+tensor unchanged, writes nothing and draws no random numbers; everything else
+(shape arithmetic inside the init function, every other call) runs.
+
+Differences from stock that remain, all documented in the README: a skipped
+call returns the tensor where stock's no-op returns ``None``; a callable
+fetched from ``torch.nn.init`` *before* the call expression (``f =
+nn.init.normal_; f(w)``, ``getattr(nn.init, name)(w)``) runs where stock,
+inside the context, would skip it; and another torch-function mode's helper
+frames between the call site and ``torch.nn.init`` hide the site (the call
+then runs).
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import weakref
+from types import CodeType, FrameType, FunctionType
+from typing import Any
+
+import torch
+import torch.overrides
+
+from metamode._modes import ThreadScopedMode
+from metamode._skippable import split_target
+
+__all__ = ["SkipLibraryInit", "library_init_names"]
+
+_INIT_DICT = vars(torch.nn.init)
+_OVERRIDES_DICT = vars(torch.overrides)
+# In-place methods the torch.nn.init functions write values with.
+_WRITING_METHODS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "uniform_",
+        "normal_",
+        "fill_",
+        "zero_",
+        "erfinv_",
+        "clamp_",
+        "mul_",
+        "add_",
+        "sub_",
+        "div_",
+        "copy_",
+    )
+)
+_CALLS = frozenset(("CALL", "CALL_FUNCTION_EX", "CALL_KW"))
+_ATTRIBUTE_LOADS = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
+# code object -> {offset of a call: the attribute name its callee ends with, or None}
+_CALLEE_NAMES: weakref.WeakKeyDictionary[CodeType, dict[int, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def library_init_names(module: Any) -> frozenset[str]:
+    """The ``torch.nn.init`` names a library's ``no_init_weights`` replaces.
+
+    Read from its ``TORCH_INIT_FUNCTIONS``; raises ``AttributeError`` if absent.
+    """
+    return frozenset(str(name) for name in module.TORCH_INIT_FUNCTIONS)
+
+
+def _callee_names(code: CodeType) -> dict[int, str | None]:
+    names = _CALLEE_NAMES.get(code)
+    if names is None:
+        names = {}
+        instructions = list(dis.get_instructions(code))
+        for index, call in enumerate(instructions):
+            if call.opname not in _CALLS or call.positions is None:
+                continue
+            start = (call.positions.lineno, call.positions.col_offset)
+            best: tuple[Any, str | None] = ((-1, -1), None)
+            for load in instructions[:index]:
+                pos = load.positions
+                if (
+                    not load.opname.startswith("LOAD_")
+                    or pos is None
+                    or (pos.lineno, pos.col_offset) != start
+                ):
+                    continue
+                end = (pos.end_lineno or -1, pos.end_col_offset or -1)
+                if end > best[0]:
+                    name = load.argval if load.opname in _ATTRIBUTE_LOADS else None
+                    best = (end, name)
+            # f_lasti is the call's own offset or (3.11+) its last inline cache entry.
+            names[call.offset] = best[1]
+            if index + 1 < len(instructions):
+                names[instructions[index + 1].offset - 2] = best[1]
+        _CALLEE_NAMES[code] = names
+    return names
+
+
+def _is_dispatch(frame: FrameType) -> bool:
+    return frame.f_globals is _OVERRIDES_DICT or frame.f_code.co_name == "__torch_function__"
+
+
+def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
+    """True if the innermost ``torch.nn.init`` call around ``frame`` was made as
+    ``<expr>.NAME(...)`` with ``NAME`` in ``names``."""
+    entry = None
+    while frame is not None:
+        if frame.f_globals is _INIT_DICT:
+            entry = frame
+        elif not _is_dispatch(frame):
+            break
+        frame = frame.f_back
+    if entry is None or frame is None:
+        return False
+    name = _callee_names(frame.f_code).get(frame.f_lasti)
+    if name is None or name not in names:
+        return False
+    function = _INIT_DICT.get(name)
+    return getattr(function, "__code__", None) is entry.f_code
+
+
+class SkipLibraryInit(ThreadScopedMode):
+    """``no_init_weights`` for one library, in this thread: see the module docstring."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def _fresh(self) -> SkipLibraryInit:
+        return SkipLibraryInit(self.names)
+
+    def __repr__(self) -> str:
+        return f"metamode.integrations.SkipLibraryInit({sorted(self.names)})"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        candidate = func in _WRITING_METHODS or (
+            type(func) is FunctionType and func.__globals__ is _INIT_DICT
+        )
+        if candidate and _called_by_name(sys._getframe(1), self.names):
+            target, _ = split_target(args, kwargs)
+            return target
+        return func(*args, **kwargs)
