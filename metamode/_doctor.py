@@ -9,7 +9,9 @@ to restart the kernel to recover, and should learn who left it.
 What is checked, in the running process:
 
 * ``torch.nn.Module``'s methods (``register_parameter``, ``register_buffer``,
-  ...) are torch's own;
+  ...) are torch's own (the intended changes listed in
+  :mod:`metamode._known_changes`, e.g. ``torch.compile``'s tagging of
+  ``__init__``, are not findings, and repair keeps them);
 * ``torch.nn.init``'s functions are torch's own, in ``torch.nn.init`` and in
   every loaded torch module that bound them by name
   (``from torch.nn.init import xavier_uniform_``);
@@ -43,7 +45,7 @@ import torch.nn.init
 import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _originals, _stack
+from metamode import _hooks, _known_changes, _originals, _stack
 from metamode._invariants import FACTORY_NAMES
 from metamode._originals import FunctionSlot
 
@@ -233,8 +235,15 @@ def _restore_function(owner: object, name: str, slot: FunctionSlot, originals: _
             f"source file is unavailable or differs)"
         )
     original, how = found
-    setattr(owner, name, original)
-    return f"restored {slot.label} ({how})"
+    current = vars(owner).get(name)
+    try:
+        change, wrapper = _known_changes.innermost_wrapper(owner, name, current)
+    except LookupError:
+        setattr(owner, name, original)
+        return f"restored {slot.label} ({how})"
+    # Never undo an intended change: put torch's own back *under* its wrapper.
+    _known_changes.rewrap(change, wrapper, original)
+    return f"restored {slot.label} ({how}) inside the wrapper of {change.who}"
 
 
 def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> list[Finding]:
@@ -242,6 +251,10 @@ def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> l
     namespace = vars(owner)
     for name, slot in slots.items():
         current = namespace.get(name, _MISSING)
+        if current is not _MISSING:
+            # Intended changes (metamode._known_changes) are not findings:
+            # judge what a recognised wrapper wraps.
+            current = _known_changes.underlying(owner, name, current)
         if current is not _MISSING and slot.is_original(current):
             continue
         if current is _MISSING:
