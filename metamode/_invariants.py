@@ -16,7 +16,7 @@ import torch
 import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
-from metamode import _known_changes
+from metamode import _hooks, _known_changes  # noqa: F401  (hooks before any snapshot)
 from metamode._stack import stack_depth
 
 __all__ = ["Snapshot", "snapshot", "FACTORY_NAMES"]
