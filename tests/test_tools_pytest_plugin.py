@@ -15,7 +15,8 @@ pytest_plugins = ["pytester"]
 
 
 def test_the_entry_point_is_installed():
-    (entry,) = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "metamode"]
+    entry_points = importlib.metadata.entry_points(group="pytest11")
+    (entry,) = [e for e in entry_points if e.name == "metamode"]
     assert entry.value == "metamode._pytest_plugin"
 
 
