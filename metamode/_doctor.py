@@ -508,12 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m metamode doctor [--repair] [--import MODULE ...]``.
 
     Exit status 0 when nothing was found, 1 otherwise (also after a repair:
-    the process *was* corrupted). ``--import`` imports modules first, to
-    check that importing a library leaves torch alone.
+    the process *was* corrupted), 2 when a ``--import`` module cannot be
+    imported (one line on stderr; nothing is checked) or the arguments are
+    wrong. ``--import`` imports modules first, to check that importing a
+    library leaves torch alone.
     """
     parser = argparse.ArgumentParser(
         prog="python -m metamode doctor",
         description="Find (and optionally repair) global patches left in torch.",
+        epilog="Exit status: 0 nothing found; 1 findings (also after --repair); "
+        "2 a --import module could not be imported, or bad arguments.",
     )
     parser.add_argument("--repair", action="store_true", help="restore torch's originals")
     parser.add_argument(
@@ -526,7 +530,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     for name in args.imports:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as error:
+            message = str(error).splitlines()[0] if str(error) else ""
+            print(
+                f"{parser.prog}: error: --import {name}: {type(error).__name__}: {message}",
+                file=sys.stderr,
+            )
+            return 2
     report = doctor(repair=args.repair)
     print(report)
     return 0 if report.ok else 1
