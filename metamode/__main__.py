@@ -16,7 +16,11 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m metamode", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m metamode",
+        description="metamode's command line: the demo, the benchmark and the doctor.",
+        epilog="Run `python -m metamode COMMAND --help` for a command's options.",
+    )
     parser.add_argument(
         "command",
         choices=sorted(_COMMANDS),

@@ -42,7 +42,7 @@ def _overlap_line(result: dict[str, Any]) -> str:
 
 def _inject_line(result: dict[str, Any]) -> str:
     line = (
-        f"{result['corrupted_rounds']}/{result['rounds_run']} rounds corrupted; "
+        f"{result['corrupted_rounds']}/{_plural(result['rounds_run'], 'round')} corrupted; "
         f"register_parameter is torch's at the end: {result['register_parameter_is_torchs_at_end']}"
     )
     if result["first_problems"]:
@@ -50,24 +50,60 @@ def _inject_line(result: dict[str, Any]) -> str:
     return line
 
 
+_DESCRIPTION = (
+    "Reproduce PEFT's race on tiny built-in models, then run the same work under metamode. "
+    "Each run is a fresh subprocess (the stock one corrupts the interpreter it runs in): "
+    "1. two threads' empty-weights contexts overlap and exit in the opposite order; "
+    "2. threads concurrently call PEFT's inject_adapter_in_model on their own models, "
+    "half with low_cpu_mem_usage=True."
+)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m metamode demo", description=__doc__)
-    parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser = argparse.ArgumentParser(prog="python -m metamode demo", description=_DESCRIPTION)
+    parser.add_argument(
+        "--threads",
+        type=_at_least_one,
+        default=8,
+        metavar="N",
+        help="threads injecting adapters at the same time in scenario 2 (default: 8)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_at_least_one,
+        default=20,
+        metavar="N",
+        help="rounds of scenario 2; each starts all threads together (default: 20)",
+    )
     args = parser.parse_args(argv)
     try:
         import peft
     except ImportError:
         print("the demo drives PEFT: pip install 'metamode[peft]'", file=sys.stderr)
         return 2
-    print(f"metamode demo -- PEFT {peft.__version__}, {args.threads} threads\n")
+    threads, rounds = _plural(args.threads, "thread"), _plural(args.rounds, "round")
+    print(f"metamode demo -- PEFT {peft.__version__}, {threads}\n")
     print("1. Two overlapping empty-weights contexts (A enters, B enters, A exits, B builds):")
     stock = run_scenario("overlap", "stock-peft")
     fixed = run_scenario("overlap", "peft-shim")
     print(f"   stock PEFT      : {_overlap_line(stock)}")
     print(f"   with metamode   : {_overlap_line(fixed)}\n")
     print(
-        f"2. {args.threads} threads x {args.rounds} rounds of concurrent "
+        f"2. {threads} x {rounds} of concurrent "
         f"inject_adapter_in_model (even threads low_cpu_mem_usage=True, odd False):"
     )
     inject_args = ["--threads", str(args.threads), "--rounds", str(args.rounds)]

@@ -9,7 +9,9 @@ to restart the kernel to recover, and should learn who left it.
 What is checked, in the running process:
 
 * ``torch.nn.Module``'s methods (``register_parameter``, ``register_buffer``,
-  ...) are torch's own;
+  ...) are torch's own (the intended changes listed in
+  :mod:`metamode._known_changes`, e.g. ``torch.compile``'s tagging of
+  ``__init__``, are not findings, and repair keeps them);
 * ``torch.nn.init``'s functions are torch's own, in ``torch.nn.init`` and in
   every loaded torch module that bound them by name
   (``from torch.nn.init import xavier_uniform_``);
@@ -43,7 +45,7 @@ import torch.nn.init
 import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _originals, _stack
+from metamode import _hooks, _known_changes, _originals, _stack
 from metamode._invariants import FACTORY_NAMES
 from metamode._originals import FunctionSlot
 
@@ -233,8 +235,15 @@ def _restore_function(owner: object, name: str, slot: FunctionSlot, originals: _
             f"source file is unavailable or differs)"
         )
     original, how = found
-    setattr(owner, name, original)
-    return f"restored {slot.label} ({how})"
+    current = vars(owner).get(name)
+    try:
+        change, wrapper = _known_changes.innermost_wrapper(owner, name, current)
+    except LookupError:
+        setattr(owner, name, original)
+        return f"restored {slot.label} ({how})"
+    # Never undo an intended change: put torch's own back *under* its wrapper.
+    _known_changes.rewrap(change, wrapper, original)
+    return f"restored {slot.label} ({how}) inside the wrapper of {change.who}"
 
 
 def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> list[Finding]:
@@ -242,6 +251,10 @@ def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> l
     namespace = vars(owner)
     for name, slot in slots.items():
         current = namespace.get(name, _MISSING)
+        if current is not _MISSING:
+            # Intended changes (metamode._known_changes) are not findings:
+            # judge what a recognised wrapper wraps.
+            current = _known_changes.underlying(owner, name, current)
         if current is not _MISSING and slot.is_original(current):
             continue
         if current is _MISSING:
@@ -497,12 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m metamode doctor [--repair] [--import MODULE ...]``.
 
     Exit status 0 when nothing was found, 1 otherwise (also after a repair:
-    the process *was* corrupted). ``--import`` imports modules first, to
-    check that importing a library leaves torch alone.
+    the process *was* corrupted), 2 when a ``--import`` module cannot be
+    imported (one line on stderr; nothing is checked) or the arguments are
+    wrong. ``--import`` imports modules first, to check that importing a
+    library leaves torch alone.
     """
     parser = argparse.ArgumentParser(
         prog="python -m metamode doctor",
         description="Find (and optionally repair) global patches left in torch.",
+        epilog="Exit status: 0 nothing found; 1 findings (also after --repair); "
+        "2 a --import module could not be imported, or bad arguments.",
     )
     parser.add_argument("--repair", action="store_true", help="restore torch's originals")
     parser.add_argument(
@@ -515,7 +532,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     for name in args.imports:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as error:
+            message = str(error).splitlines()[0] if str(error) else ""
+            print(
+                f"{parser.prog}: error: --import {name}: {type(error).__name__}: {message}",
+                file=sys.stderr,
+            )
+            return 2
     report = doctor(repair=args.repair)
     print(report)
     return 0 if report.ok else 1

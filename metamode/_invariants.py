@@ -3,7 +3,8 @@
 Empty-weight helpers elsewhere corrupt exactly these things: class attributes
 of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
 functions, the default dtype and device, torch's global registration hooks,
-and the calling thread's mode stack. Taking a snapshot before and comparing
+and the calling thread's mode stack (seen through the intended changes listed
+in :mod:`metamode._known_changes`). Taking a snapshot before and comparing
 after is how the test suite proves that metamode leaves nothing behind.
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
+from metamode import _hooks, _known_changes  # noqa: F401  (hooks before any snapshot)
 from metamode._stack import stack_depth
 
 __all__ = ["Snapshot", "snapshot", "FACTORY_NAMES"]
@@ -77,19 +79,30 @@ class Snapshot:
         return changes
 
 
-def _identities(namespace: dict, names=None) -> dict[str, int]:
+def _identities(owner: object, names=None) -> dict[str, int]:
+    # Known, intended changes (metamode._known_changes) are seen through: a
+    # recognised wrapper counts as what it wraps, a recognised addition and
+    # its "done" flags as absent.
+    namespace = vars(owner)
     keys = namespace.keys() if names is None else [n for n in names if n in namespace]
-    return {name: id(namespace[name]) for name in keys}
+    identities = {}
+    for name in keys:
+        if _known_changes.is_marker(owner, name):
+            continue
+        value = _known_changes.underlying(owner, name, namespace[name])
+        if value is not None:
+            identities[name] = id(value)
+    return identities
 
 
 def snapshot() -> Snapshot:
     """Record the global torch state (identities, not copies: cheap)."""
     device_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
     return Snapshot(
-        module_attrs=_identities(vars(torch.nn.Module)),
-        init_functions=_identities(vars(torch.nn.init)),
-        factories=_identities(vars(torch), FACTORY_NAMES),
-        tensor_methods=_identities(vars(torch.Tensor)),
+        module_attrs=_identities(torch.nn.Module),
+        init_functions=_identities(torch.nn.init),
+        factories=_identities(torch, FACTORY_NAMES),
+        tensor_methods=_identities(torch.Tensor),
         hooks={name: tuple(getattr(_torch_module, name)) for name in _HOOK_DICTS},
         default_dtype=torch.get_default_dtype(),
         device_context=(

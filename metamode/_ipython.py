@@ -15,12 +15,16 @@ magics and ``!`` work inside), compiled, run in the user namespace, the last
 expression returned as the cell's value -- and not through a nested
 ``run_cell``: a nested ``run_cell`` swallows the exception, so a failing cell
 would report success to nbclient / papermill. Top-level ``await`` is not
-supported inside the magic.
+supported inside the magic. As in any cell, a trailing ``;`` suppresses the
+output, and a traceback from the cell shows the cell's frames, not the
+magic's.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -49,8 +53,10 @@ class EmptyWeightsMagics(Magics):
         Everything the cell builds has its parameters (and with
         ``--include-buffers``, its buffers) on ``--device``, ``meta`` by
         default. Only the kernel's thread is affected, and only while the
-        cell runs. The value of the cell's last expression is its output.
+        cell runs. The value of the cell's last expression is its output,
+        unless the cell ends with ``;``.
         """
+        __tracebackhide__ = True  # IPython hides this frame from the cell's tracebacks
         args = parse_argstring(self.empty_weights, line)
         try:
             context = empty_weights(include_buffers=args.include_buffers, device=args.device)
@@ -60,7 +66,7 @@ class EmptyWeightsMagics(Magics):
         source = shell.transform_cell(cell)
         tree = shell.transform_ast(shell.compile.ast_parse(source))
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(source):
             last = ast.Expression(tree.body.pop().value)
         # Registered with IPython's line cache, so tracebacks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
@@ -70,6 +76,20 @@ class EmptyWeightsMagics(Magics):
         with context:
             exec(body, namespace)
             return None if value is None else eval(value, namespace)
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """Whether the last token of ``source`` is ``;`` (IPython's rule for silencing output)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    ignored = {tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT}
+    ignored |= {tokenize.INDENT, tokenize.DEDENT}
+    for token in reversed(tokens):
+        if token.type not in ignored:
+            return token.type == tokenize.OP and token.string == ";"
+    return False
 
 
 def load_ipython_extension(ipython) -> None:

@@ -420,3 +420,9 @@ def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
     return here.type == device.type and (
         device.index is None or here.index is None or here.index == device.index
     )
+
+
+# Contexts need torch's registration hooks: whatever imports the modes (the
+# public API, the IPython magic, the shims) installs them. At the end: _hooks
+# imports this module.
+from metamode import _hooks  # noqa: E402, F401

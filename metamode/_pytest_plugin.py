@@ -23,27 +23,24 @@ for a whole module is not blamed on its first test. A leak is reported as an
 error at the test's teardown (pytest's category for a failure detected
 there); the process is not repaired -- ``metamode.doctor(repair=True)`` does
 that.
+
+Nothing of torch or metamode's core is imported until the option, the ini
+key or the fixture is used: a run that uses none of them pays nothing.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from metamode._invariants import Snapshot, snapshot
-from metamode._originals import describe
+if TYPE_CHECKING:
+    from metamode._invariants import Snapshot
 
 __all__ = ["metamode_clean", "pytest_addoption"]
 
-_NAMESPACES = {
-    "torch.nn.Module": torch.nn.Module,
-    "torch.nn.init": torch.nn.init,
-    "torch.Tensor": torch.Tensor,
-    "torch": torch,
-}
 _CHANGED_NAME = re.compile(
     r"^(torch(?:\.nn\.Module|\.nn\.init|\.Tensor)?)\.(\w+) (replaced|added)$"
 )
@@ -72,15 +69,32 @@ def _strict(config: pytest.Config) -> bool:
     return bool(config.getini("metamode_strict")) if flag is None else bool(flag)
 
 
+def _snapshot() -> Snapshot:
+    # Imported on first use (torch, metamode's hooks): see the module docstring.
+    from metamode._invariants import snapshot
+
+    return snapshot()
+
+
 def _leak_message(before: Snapshot) -> str | None:
-    changes = snapshot().changes_since(before)
+    import torch
+
+    from metamode._originals import describe
+
+    changes = _snapshot().changes_since(before)
     if not changes:
         return None
+    namespaces = {
+        "torch.nn.Module": torch.nn.Module,
+        "torch.nn.init": torch.nn.init,
+        "torch.Tensor": torch.Tensor,
+        "torch": torch,
+    }
     described = []
     for change in changes:
         match = _CHANGED_NAME.match(change)
         if match:
-            value = vars(_NAMESPACES[match.group(1)]).get(match.group(2))
+            value = vars(namespaces[match.group(1)]).get(match.group(2))
             if value is not None:
                 change += f" (now {describe(value)})"
         described.append(change)
@@ -105,7 +119,7 @@ def _metamode_strict_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _strict(request.config):
         yield
         return
-    before = snapshot()
+    before = _snapshot()
     yield
     _checked(before)
 
@@ -117,7 +131,7 @@ def metamode_clean(request: pytest.FixtureRequest) -> Iterator[Snapshot]:
     Yields the snapshot taken before the test. In strict mode every test is
     already checked, and this fixture adds nothing.
     """
-    before = snapshot()
+    before = _snapshot()
     yield before
     if not _strict(request.config):
         _checked(before)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,7 +142,11 @@ def hammer(
         switch_interval: the interpreter's thread switch interval meanwhile.
         stop_on_failure: stop after the first round with a failure (later
             rounds would run in a process the failure may have corrupted).
-        timeout: seconds to wait for one round before declaring a deadlock.
+        timeout: seconds one round may take before it counts as a deadlock.
+            It is one deadline per round for everything ``hammer`` waits on
+            (the round, then its worker threads): a deadlock is reported
+            after ``timeout`` seconds, and its blocked threads are abandoned
+            (daemon threads; each finishes on its own if ``fn`` ever returns).
 
     Returns a :class:`HammerReport`. The process is not repaired: after a
     failure, ``metamode.doctor(repair=True)`` restores torch's originals.
@@ -208,6 +213,7 @@ def hammer(
     before = snapshot()
     reported: list[str] = []
     completed = 0
+    timed_out = False
     old_interval = sys.getswitchinterval()
     workers = [
         threading.Thread(target=worker, args=(i,), name=f"hammer-{i}", daemon=True)
@@ -218,9 +224,10 @@ def hammer(
         for thread in workers:
             thread.start()
         for round_index in range(rounds):
+            deadline = time.monotonic() + timeout
             try:
-                start.wait(timeout)
-                end.wait(timeout)
+                start.wait(_left(deadline))
+                end.wait(_left(deadline))
             except threading.BrokenBarrierError:
                 record(
                     HammerFailure(
@@ -231,6 +238,7 @@ def hammer(
                         f"blocked?); its threads were abandoned",
                     )
                 )
+                timed_out = True
                 break
             completed = round_index + 1
             changes = snapshot().changes_since(before)
@@ -251,7 +259,14 @@ def hammer(
         start.abort()
         end.abort()
         sys.setswitchinterval(old_interval)
+        # Workers blocked in fn() cannot be interrupted: after a timeout they
+        # get no more time at all, else the wait would add up per thread.
+        deadline = time.monotonic() + (0 if timed_out else timeout)
         for thread in workers:
-            thread.join(timeout)
+            thread.join(_left(deadline))
     with lock:
         return HammerReport(threads, completed, rounds, calls[0], tuple(failures))
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)

@@ -386,7 +386,7 @@ def test_bench_quick_runs_end_to_end(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Targets" in done.stdout and "targets met:" in done.stdout
+    assert "metamode vs the stock path" in done.stdout and "targets met" not in done.stdout
     data = json.loads(out.read_text())
     records = [r for r in data["records"] if r["task"]["section"] != "size"]
     sections = {r["task"]["section"] for r in records}
@@ -405,7 +405,7 @@ def test_bench_quick_runs_end_to_end(tmp_path):
             assert result["metamode_imported"] == (task["method"] == "imported+enabled")
         if task["section"] in ("lora", "threads") and "shim" in task["method"]:
             assert result["problems"] == [] and not result.get("leaked"), task
-    assert {row["target"] for row in data["targets"]} >= {
+    assert {row["comparison"] for row in data["comparison"]} >= {
         "empty_weights() / torch.device('meta')",
-        "LoRA injection: shim / stock (low_cpu_mem_usage=True)",
+        "LoRA injection: shim / stock PEFT (low_cpu_mem_usage=True)",
     }
