@@ -9,6 +9,7 @@ corrupt the process run in subprocesses, so this guard holds for them too.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -55,6 +56,36 @@ def run_python(code: str, timeout: float = 300) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# Version-requirement markers: ``@pytest.mark.requires_transformers_5`` runs a test only where
+# the installed transformers' major version is 5. Elsewhere the test is *deselected* (reported
+# as "N deselected", listed with -v via --collect-only), never skipped. Registered in
+# pyproject.toml; the CI matrix (.ci/matrix) relies on them.
+_VERSION_MARKERS = {
+    "requires_transformers_4": ("transformers", 4),
+    "requires_transformers_5": ("transformers", 5),
+}
+
+
+def _installed_major(package: str) -> int | None:
+    try:
+        return int(importlib.metadata.version(package).split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect tests whose version-requirement marker the installed libraries do not meet."""
+    unmet = {
+        name
+        for name, (package, major) in _VERSION_MARKERS.items()
+        if _installed_major(package) != major
+    }
+    deselected = [item for item in items if unmet & {m.name for m in item.iter_markers()}]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is not a pass: every test here must run on a CPU-only machine."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -63,18 +94,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter.write_line(f"{len(skipped)} test(s) skipped: failing the run", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect (never skip) ``requires_transformers_4`` tests unless transformers 4.x is here."""
-    import importlib.metadata
-
-    try:
-        major = int(importlib.metadata.version("transformers").split(".")[0])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        major = None
-    if major == 4:
-        return
-    deselected = [item for item in items if item.get_closest_marker("requires_transformers_4")]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item not in deselected]

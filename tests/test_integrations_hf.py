@@ -520,6 +520,7 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
     assert modeling_utils.no_init_weights is original
 
 
+@pytest.mark.requires_transformers_5
 def test_enable_is_all_or_nothing(monkeypatch):
     import diffusers.models.modeling_utils as modeling_utils
     import peft.utils.integrations as peft_integrations
@@ -541,6 +542,7 @@ def test_enable_reports_every_installed_library(all_shims):
 # -- transformers ----------------------------------------------------------------------
 
 
+@pytest.mark.requires_transformers_5
 def test_transformers_linspace_context_is_thread_scoped():
     import transformers.initialization as initialization
 
@@ -685,6 +687,7 @@ def xglm_buffer_dtypes() -> dict[str, str]:
     }
 
 
+@pytest.mark.requires_transformers_5
 @pytest.mark.parametrize("enable", [False, True], ids=["stock", "metamode.enable"])
 def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
     """Stock corrupts; metamode's shim fixes ``torch.linspace`` only (documented limits)."""
@@ -717,6 +720,6 @@ def test_a_release_without_the_targeted_module_is_refused_as_incompatible():
         home_module="transformers._metamode_no_such_module",
         replacements={"anything": print},
     )
-    with pytest.raises(metamode.IncompatibleLibraryError, match=r"5\.\S+ has no module"):
+    with pytest.raises(metamode.IncompatibleLibraryError, match=r"\d+\.\S+ has no module"):
         rebinding.enable()
     assert not rebinding.enabled
