@@ -29,6 +29,7 @@ from metamode._contexts import (
 )
 from metamode._default_dtype import default_dtype
 from metamode._doctor import doctor
+from metamode._materialize import NotMaterializableError, is_materializable, materialize
 from metamode._modes import ContextMisuseError, EmptyWeights, SkipEmptyWeights
 from metamode._skip_init import skip_init
 from metamode._summary import summary
@@ -58,6 +59,9 @@ __all__ = [
     "init_on_device",
     "skip_init",
     "default_dtype",
+    # build now, materialize later
+    "materialize",
+    "is_materializable",
     # library shims
     "enable",
     "disable",
@@ -78,4 +82,5 @@ __all__ = [
     "SkipEmptyWeights",
     "ContextMisuseError",
     "IncompatibleLibraryError",
+    "NotMaterializableError",
 ]

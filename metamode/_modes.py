@@ -29,6 +29,7 @@ from torch.utils._device import _device_constructors
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
 from metamode._skippable import skipped_target
+from metamode._trace import Trace
 
 __all__ = [
     "ContextMisuseError",
@@ -187,6 +188,8 @@ class EmptyWeights(ThreadScopedMode):
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
         # huge model's CPU originals are not kept alive by the context.
         self._moved: torch.utils.weak.WeakIdKeyDictionary | None = None
+        # What metamode.materialize replays (metamode._trace); meta device only.
+        self._trace: Trace | None = None
 
     def _fresh(self) -> EmptyWeights:
         return EmptyWeights(self.device, self.include_buffers)
@@ -202,6 +205,12 @@ class EmptyWeights(ThreadScopedMode):
             kwargs = {}
         if self._suspended:
             return func(*args, **kwargs)
+        trace = self._trace
+        if trace is not None:
+            return trace.record(func, args, kwargs, self._run)
+        return self._run(func, args, kwargs)
+
+    def _run(self, func, args, kwargs):
         if self.include_buffers and kwargs.get("device") is None and func in _device_constructors():
             kwargs["device"] = self.device
         elif self._skip_init:
@@ -210,16 +219,28 @@ class EmptyWeights(ThreadScopedMode):
                 return target
         return func(*args, **kwargs)
 
+    def _after_enter(self) -> None:
+        if self._skip_init:
+            self._trace = Trace(self.device)
+
+    def _before_exit(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+
     # Called by the registration hooks, always in the owner thread.
     def place_parameter(self, param: torch.nn.Parameter) -> torch.nn.Parameter | None:
-        if _already_on(param, self.device):
-            return None
-        return self._memoised(param, moved_parameter)
+        placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
+        if self._trace is not None:
+            self._trace.note_registered(param, placed)
+        return placed
 
     def place_buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        if not self.include_buffers or _already_on(tensor, self.device):
-            return None
-        return self._memoised(tensor, moved_tensor)
+        placed = None
+        if self.include_buffers and not _already_on(tensor, self.device):
+            placed = self._memoised(tensor, moved_tensor)
+        if self._trace is not None:
+            self._trace.note_registered(tensor, placed)
+        return placed
 
     def _memoised(self, tensor, move):
         if self._moved is None:

@@ -1,0 +1,307 @@
+"""``metamode.materialize``: give an empty-built module the values eager construction gives it.
+
+The rule, exactly:
+
+* Every parameter and buffer of ``module`` registered inside a (device meta)
+  ``metamode.empty_weights()`` context, in either mode, is filled with what
+  ``torch.manual_seed(s); build()`` puts there when the context was entered
+  right after ``torch.manual_seed(s)``: the context recorded its thread's
+  torch calls (:mod:`metamode._trace`) and the default CPU generator's state
+  at entry, and materialize replays them on CPU from that state with a private
+  generator. This holds for a submodule too: its values equal the eager
+  build's, because the replay draws every random number drawn before them
+  (into a scratch tensor when the result is not wanted).
+* Real tensors that were registered in the context (parameters-only mode's
+  buffers) are replaced by their replayed values as well; real tensors that
+  were not (loaded weights) are left alone.
+* Parameters stay the same Python objects (``torch.utils.swap_tensors``), so
+  ties, classes, attributes and ``requires_grad`` are kept; buffers are
+  replaced in their modules' ``_buffers``.
+* Generators: materialize draws nothing from the process's default
+  generator and never changes its state; after the ``with`` block the default
+  generator reflects only the draws that really ran during the build.
+* Tensors it cannot reproduce -- made outside the context, from NumPy data,
+  under ``skip_empty_weights``, by plain ``torch.device("meta")``, or drawn
+  after a random call that takes no ``generator=`` -- make it raise before
+  anything is allocated, naming every one (``on_unreproducible="empty"`` leaves
+  them uninitialised on ``device`` instead).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from metamode._trace import Op, Trace, _Gen, _MetaDevice, _Ref, forget, registry_entry
+
+__all__ = ["NotMaterializableError", "is_materializable", "materialize"]
+
+_CPU = torch.device("cpu")
+
+
+class NotMaterializableError(RuntimeError):
+    """Some tensors of a module cannot be reproduced; nothing was allocated."""
+
+
+class _Slot:
+    __slots__ = ("homes", "kind", "names", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, kind: str) -> None:
+        self.tensor = tensor
+        self.kind = kind
+        self.names: list[str] = []
+        self.homes: list[tuple[nn.Module, str]] = []
+
+
+def _slots(module: nn.Module) -> dict[int, _Slot]:
+    slots: dict[int, _Slot] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                slot = slots.get(id(tensor))
+                if slot is None:
+                    slot = slots[id(tensor)] = _Slot(tensor, kind)
+                qualname = f"{prefix}.{name}" if prefix else name
+                if qualname not in slot.names:
+                    slot.names.append(qualname)
+                slot.homes.append((sub, name))
+    return slots
+
+
+def _traces(slots: dict[int, _Slot]) -> list[Trace]:
+    found: dict[Trace, None] = {}
+    for slot in slots.values():
+        entry = registry_entry(slot.tensor)
+        if entry is not None:
+            found[entry[0]] = None
+    return list(found)
+
+
+def _why_not(
+    tensor: torch.Tensor, traces: list[Trace] = ()
+) -> tuple[tuple[Trace, int] | None, str | None]:
+    entry = registry_entry(tensor)
+    if entry is None and tensor.is_meta:
+        # made without registration (deepcopy of a module, a parameter put in
+        # _parameters directly): found by its storage in a sibling's recording
+        for trace in traces:
+            vid = trace.lookup(tensor)
+            if vid is not None:
+                entry = (trace, vid)
+                break
+    if entry is None:
+        if tensor.is_meta:
+            return None, (
+                "not registered inside a metamode.empty_weights() context (built under "
+                "torch.device('meta'), moved with .to('meta'), or assigned after the context?)"
+            )
+        return None, None
+    trace, vid = entry
+    if trace.recording:
+        return entry, (
+            f"its empty_weights context (thread {trace.owner}) is still open; "
+            f"materialize after the `with` block"
+        )
+    reason = trace.taint.get(vid) or trace.taint.get(trace.root.get(vid, vid))
+    return entry, reason
+
+
+def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
+    """Whether :func:`materialize` can give ``obj`` (every meta tensor of a module) its eager values."""
+    if isinstance(obj, torch.Tensor):
+        entry, reason = _why_not(obj)
+        return entry is not None and reason is None
+    slots = _slots(obj)
+    traces = _traces(slots)
+    return all(_why_not(slot.tensor, traces)[1] is None for slot in slots.values())
+
+
+def materialize(
+    module: nn.Module,
+    device: torch.device | str | None = None,
+    *,
+    on_unreproducible: Literal["error", "empty"] = "error",
+) -> nn.Module:
+    """Allocate ``module``'s empty-built tensors on ``device`` with their eager values, in place.
+
+    ``device`` defaults to ``"cpu"``, where eager construction (no device
+    context) puts them; values are always computed on CPU, one tensor moved to
+    ``device`` at a time, so they are bitwise the CPU eager values anywhere.
+    Returns ``module`` itself. See :mod:`metamode._materialize` for the exact
+    rule, generators and thread-safety: it may run while other threads build or
+    materialize other modules; do not materialize one module from two threads.
+
+    Raises:
+        NotMaterializableError: before allocating anything, naming every tensor
+            that cannot be reproduced (unless ``on_unreproducible="empty"``).
+    """
+    if on_unreproducible not in ("error", "empty"):
+        raise ValueError(f"on_unreproducible must be 'error' or 'empty', not {on_unreproducible!r}")
+    device = _CPU if device is None else torch.device(device)
+    slots = _slots(module)
+    per_trace: dict[Trace, dict[int, list[_Slot]]] = {}
+    refused: list[tuple[_Slot, str]] = []
+    traces = _traces(slots)
+    for slot in slots.values():
+        entry, reason = _why_not(slot.tensor, traces)
+        if reason is not None:
+            refused.append((slot, reason))
+        elif entry is not None:
+            trace, vid = entry
+            per_trace.setdefault(trace, {}).setdefault(vid, []).append(slot)
+    if refused and on_unreproducible == "error":
+        lines = "\n".join(
+            f"  {', '.join(repr(n) for n in slot.names)} ({slot.kind}): {reason}"
+            for slot, reason in refused
+        )
+        raise NotMaterializableError(
+            f"metamode.materialize({type(module).__name__}) in thread "
+            f"{threading.current_thread().name!r}: {len(refused)} tensor(s) cannot be "
+            f"reproduced, nothing was allocated:\n{lines}\nFix: build them inside "
+            f"metamode.empty_weights() from torch calls only, load them from a checkpoint "
+            f"(load_state_dict(assign=True)), or pass on_unreproducible='empty' to leave "
+            f"them uninitialised."
+        )
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for slot, _ in refused:
+            _install(slot, torch.empty_like(slot.tensor, device=device))
+        for trace in sorted(per_trace, key=lambda t: t.serial):
+            _replay(trace, per_trace[trace], device)
+    return module
+
+
+def _install(slot: _Slot, value: torch.Tensor) -> None:
+    tensor = slot.tensor
+    forget(tensor)
+    if slot.kind == "buffer":
+        for home, name in slot.homes:
+            home._buffers[name] = value
+        return
+    new = torch.Tensor._make_subclass(type(tensor), value.detach(), tensor.requires_grad)
+    new.__dict__ = dict(tensor.__dict__)
+    rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
+    for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
+        rnn._flat_weight_refs = []
+    if not weakref.getweakrefs(tensor):
+        torch.utils.swap_tensors(tensor, new)  # same object: ties and optimizers keep it
+        for rnn in rnns:
+            rnn._init_flat_weights()
+        return
+    # Something holds a weak reference to it (RNN's _flat_weight_refs), which
+    # swap_tensors refuses: put the new parameter in every place the old one was.
+    for home, name in slot.homes:
+        home._parameters[name] = new
+        if isinstance(home, nn.RNNBase):
+            home._init_flat_weights()
+
+
+def _replay(trace: Trace, targets: dict[int, list[_Slot]], device: torch.device) -> None:
+    ops = trace.ops
+    root = trace.root
+    wanted = {root.get(v, v) for v in targets}
+    live: list[bool] = [False] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.random or any(root.get(v, v) in wanted for v in op.outs):
+            live[i] = True
+            wanted.update(root.get(v, v) for v in op.ins)
+    last: dict[int, int] = {}
+    done: set[int] = set()
+    for i, op in enumerate(ops):
+        if live[i]:
+            for v in op.ins:
+                last[root.get(v, v)] = i
+            for v in op.outs:
+                last[root.get(v, v)] = i
+    finish: dict[int, list[int]] = {}
+    for r, i in last.items():
+        finish.setdefault(i, []).append(r)
+    by_root: dict[int, list[int]] = {}
+    for vid in targets:
+        by_root.setdefault(root.get(vid, vid), []).append(vid)
+    generator = torch.Generator()
+    generator.set_state(trace.entry_state)
+    private: dict[int, torch.Generator] = {}
+    env: dict[int, torch.Tensor] = {}
+    held: dict[int, list[int]] = {}  # root -> value ids in env
+
+    def decode(value: Any) -> Any:
+        kind = type(value)
+        if kind is _Ref:
+            return env[value.vid]
+        if kind is tuple or kind is list:
+            return kind(decode(v) for v in value)
+        if kind is dict:
+            return {k: decode(v) for k, v in value.items()}
+        if value is _MetaDevice:
+            return _CPU
+        if kind is _Gen:
+            gen = private.get(value.key)
+            if gen is None:
+                gen = private[value.key] = torch.Generator()
+                gen.set_state(trace.generators[value.key])
+            return gen
+        return value
+
+    def bind(spec: Any, result: Any) -> None:
+        if type(spec) is _Ref:
+            env[spec.vid] = result
+            held.setdefault(root.get(spec.vid, spec.vid), []).append(spec.vid)
+        elif type(spec) in (tuple, list):
+            for s, r in zip(spec, result, strict=True):
+                bind(s, r)
+
+    done: set[int] = set()
+    for i, op in enumerate(ops):
+        if live[i]:
+            _run(op, env, decode, bind, generator)
+        for r in finish.get(i, ()):
+            for vid in by_root.get(r, ()):
+                value = env[vid]
+                if device != _CPU:
+                    value = value.to(device)
+                for slot in targets[vid]:
+                    _check(slot, value)
+                    _install(slot, value)
+                done.add(vid)
+            for vid in held.pop(r, ()):
+                env.pop(vid, None)
+    missing = [group[0].names[0] for vid, group in targets.items() if vid not in done]
+    if missing:
+        raise RuntimeError(f"metamode.materialize: replay produced no value for {missing}")
+
+
+def _run(op: Op, env: dict, decode: Any, bind: Any, generator: torch.Generator) -> None:
+    if any(v not in env for v in op.ins):
+        return  # reads a tensor the replay cannot make: its results are refused
+    args = decode(op.args)
+    kwargs = decode(op.kwargs)
+    if op.random:
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = generator
+        if "default_generator" in kwargs:
+            kwargs["default_generator"] = generator
+    result = op.func(*args, **kwargs)
+    bind(op.out_spec, result)
+
+
+def _check(slot: _Slot, value: torch.Tensor) -> None:
+    tensor = slot.tensor
+    if value.shape != tensor.shape or value.dtype != tensor.dtype:
+        raise RuntimeError(
+            f"metamode.materialize: replayed {slot.names[0]!r} is {value.dtype}{list(value.shape)}"
+            f" but the module holds {tensor.dtype}{list(tensor.shape)}; the recorded build and "
+            f"the module disagree (was it changed after the empty_weights block?)"
+        )
+
+
+def _iter_names(slots: dict[int, _Slot]) -> Iterator[str]:
+    for slot in slots.values():
+        yield from slot.names
