@@ -114,7 +114,7 @@ def _why_not(
 
 
 def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
-    """Whether :func:`materialize` can give ``obj`` (every meta tensor of a module) its eager values."""
+    """Whether :func:`materialize` can give ``obj`` (each meta tensor of a module) eager values."""
     if isinstance(obj, torch.Tensor):
         entry, reason = _why_not(obj)
         return entry is not None and reason is None

@@ -284,6 +284,10 @@ class Trace:
             if result is True:
                 self._record_init_on_meta(args[0], sys._getframe(2))
             return result
+        if func is torch.tensor and _asks_for_the_default_device(sys._getframe(2)):
+            # transformers' post_init skips init_weights when the default device
+            # is meta; eager construction runs it, so the replay must see it.
+            return func(*args, **kwargs)
         mutating = (
             (name.endswith("_") and not name.endswith("__"))
             or name in _MUTATING_DUNDERS
@@ -405,6 +409,12 @@ class Trace:
             if (live := [e for e in entries if not e[0].expired()])
         }
         self._gen_keys = {}
+
+
+def _asks_for_the_default_device(frame: Any) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")
+    probe = getattr(modeling, "get_torch_context_manager_or_global_device", None)
+    return frame is not None and frame.f_code is getattr(probe, "__code__", None)
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int | None:
