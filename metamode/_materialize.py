@@ -172,8 +172,11 @@ def materialize(
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for slot, _ in refused:
             _install(slot, torch.empty_like(slot.tensor, device=device))
+        together = set(traces)
+        for trace in together:
+            trace.replayed_exit = None
         for trace in sorted(per_trace, key=lambda t: t.serial):
-            _replay(trace, per_trace[trace], device)
+            _replay(trace, per_trace[trace], device, together)
     return module
 
 
@@ -202,7 +205,34 @@ def _install(slot: _Slot, value: torch.Tensor) -> None:
             home._init_flat_weights()
 
 
-def _replay(trace: Trace, targets: dict[int, list[_Slot]], device: torch.device) -> None:
+def _parent(trace: Trace, together: set[Trace]) -> Trace | None:
+    # A context entered right after another one closed in the same thread, with
+    # no draw from the default generator between, continues that context's
+    # random stream (PEFT enters one per adapted layer). Only trusted between
+    # contexts whose tensors are materialized together: a generator re-seeded
+    # to the same state between two unrelated builds looks exactly the same.
+    parent = trace.parent
+    return parent if parent is not None and parent in together else None
+
+
+def _entry_state(trace: Trace, together: set[Trace]) -> torch.Tensor:
+    """The generator state eager construction was in when ``trace``'s context was entered."""
+    parent = _parent(trace, together)
+    if parent is None:
+        return trace.entry_state
+    if parent.replayed_exit is None:
+        chain = []
+        while parent is not None and parent.replayed_exit is None:
+            chain.append(parent)
+            parent = _parent(parent, together)
+        for ancestor in reversed(chain):  # oldest first, for their random draws only
+            _replay(ancestor, {}, _CPU, together)
+    return trace.parent.replayed_exit
+
+
+def _replay(
+    trace: Trace, targets: dict[int, list[_Slot]], device: torch.device, together: set[Trace]
+) -> None:
     ops = trace.ops
     root = trace.root
     wanted = {root.get(v, v) for v in targets}
@@ -227,7 +257,7 @@ def _replay(trace: Trace, targets: dict[int, list[_Slot]], device: torch.device)
     for vid in targets:
         by_root.setdefault(root.get(vid, vid), []).append(vid)
     generator = torch.Generator()
-    generator.set_state(trace.entry_state)
+    generator.set_state(_entry_state(trace, together))
     private: dict[int, torch.Generator] = {}
     env: dict[int, torch.Tensor] = {}
     held: dict[int, list[int]] = {}  # root -> value ids in env
@@ -273,6 +303,7 @@ def _replay(trace: Trace, targets: dict[int, list[_Slot]], device: torch.device)
                 done.add(vid)
             for vid in held.pop(r, ()):
                 env.pop(vid, None)
+    trace.replayed_exit = generator.get_state()
     missing = [group[0].names[0] for vid, group in targets.items() if vid not in done]
     if missing:
         raise RuntimeError(f"metamode.materialize: replay produced no value for {missing}")

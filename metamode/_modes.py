@@ -203,9 +203,11 @@ class EmptyWeights(ThreadScopedMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self._suspended:
-            return func(*args, **kwargs)
         trace = self._trace
+        if self._suspended:
+            if trace is not None:  # real calls: recorded to keep the random stream aligned
+                return trace.record(func, args, kwargs, _call)
+            return func(*args, **kwargs)
         if trace is not None:
             return trace.record(func, args, kwargs, self._run)
         return self._run(func, args, kwargs)
@@ -294,6 +296,10 @@ def active_empty_weights() -> EmptyWeights | None:
     """The empty-weights context governing this thread now, or None."""
     mode = _stack.innermost(_SCOPES)
     return mode if isinstance(mode, EmptyWeights) else None
+
+
+def _call(func, args, kwargs):
+    return func(*args, **kwargs)
 
 
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:

@@ -27,6 +27,7 @@ import itertools
 import math
 import sys
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ __all__ = ["Trace", "registry_entry"]
 
 _TENSOR = torch.Tensor
 _SERIALS = itertools.count()
+_LAST = threading.local()
 _META = torch.device("meta")
 
 # Random calls that take ``generator=``: replay injects its private generator.
@@ -188,6 +190,17 @@ class Trace:
         self.device = device
         self.ops: list[Op] = []
         self.entry_state = torch.default_generator.get_state()
+        # The context this thread closed last, if nothing drew from the default
+        # generator since: eager construction would have entered this one in
+        # the state that context's *replay* ends in (PEFT enters one context
+        # per adapted layer).
+        self.parent: Trace | None = None
+        last = getattr(_LAST, "trace", None)
+        last = last() if last is not None else None
+        if last is not None and torch.equal(last.exit_state, self.entry_state):
+            self.parent = last
+        self.exit_state: torch.Tensor | None = None
+        self.replayed_exit: torch.Tensor | None = None  # set by the first replay
         self.generators: dict[int, torch.Tensor] = {}  # _Gen key -> state at first use
         self.taint: dict[int, str] = {}  # value id -> why it cannot be reproduced
         self.root: dict[int, int] = {}  # value id -> id of the storage it lives in
@@ -401,6 +414,9 @@ class Trace:
     def close(self) -> None:
         """The context exited: drop every reference to the build's tensors."""
         self.recording = False
+        self.exit_state = torch.default_generator.get_state()
+        if self.owner == threading.get_ident():
+            _LAST.trace = weakref.ref(self)
         self._ids = None
         self._vid_storage = {}
         self._storage = {
