@@ -14,7 +14,9 @@ __all__ = ["active", "empty_weights", "init_empty_weights", "init_on_device", "s
 DeviceLike = torch.device | str | int
 
 
-def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") -> EmptyWeights:
+def empty_weights(
+    include_buffers: bool = False, device: DeviceLike = "meta", *, replayable: bool = False
+) -> EmptyWeights:
     """Context manager and decorator: build modules without allocating their weights.
 
     While active *in the calling thread*, every parameter registered on a
@@ -29,6 +31,10 @@ def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") ->
             it False for models whose buffers are computed at construction
             (RoPE ``inv_freq``, position ids): on meta they would be lost.
         device: where parameters go.
+        replayable: also record the build (device meta only), so that
+            :func:`metamode.materialize` can later give every tensor exactly
+            the values eager construction would have. Costs 1.4-2.5x build
+            time (README, benchmarks), hence opt-in.
 
     Returns a single-use context; as a decorator, each call gets a fresh one.
     Within one context, a parameter registered twice maps to the same moved
@@ -40,7 +46,10 @@ def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") ->
     """
     if not isinstance(include_buffers, bool):
         raise TypeError(f"include_buffers must be a bool, not {include_buffers!r}")
-    return EmptyWeights(_checked_device(device), include_buffers)
+    parsed = _checked_device(device)
+    if replayable and parsed.type != "meta":
+        raise ValueError(f"replayable=True records meta builds only, not device {str(parsed)!r}")
+    return EmptyWeights(parsed, include_buffers, bool(replayable))
 
 
 def skip_empty_weights() -> SkipEmptyWeights:

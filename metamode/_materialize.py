@@ -99,8 +99,9 @@ def _why_not(
     if entry is None:
         if tensor.is_meta:
             return None, (
-                "not registered inside a metamode.empty_weights() context (built under "
-                "torch.device('meta'), moved with .to('meta'), or assigned after the context?)"
+                "not registered inside a metamode.empty_weights(replayable=True) context (built "
+                "under torch.device('meta') or a non-replayable context, moved with "
+                ".to('meta'), or assigned after the context?)"
             )
         return None, None
     trace, vid = entry
@@ -165,9 +166,9 @@ def materialize(
             f"metamode.materialize({type(module).__name__}) in thread "
             f"{threading.current_thread().name!r}: {len(refused)} tensor(s) cannot be "
             f"reproduced, nothing was allocated:\n{lines}\nFix: build them inside "
-            f"metamode.empty_weights() from torch calls only, load them from a checkpoint "
-            f"(load_state_dict(assign=True)), or pass on_unreproducible='empty' to leave "
-            f"them uninitialised."
+            f"metamode.empty_weights(replayable=True) from torch calls only, load them "
+            f"from a checkpoint (load_state_dict(assign=True)), or pass "
+            f"on_unreproducible='empty' to leave them uninitialised."
         )
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for slot, _ in refused:

@@ -179,10 +179,13 @@ class EmptyWeights(ThreadScopedMode):
       :mod:`metamode._skippable` for the exact rule.
     """
 
-    def __init__(self, device: torch.device, include_buffers: bool) -> None:
+    def __init__(
+        self, device: torch.device, include_buffers: bool, replayable: bool = False
+    ) -> None:
         super().__init__()
         self.device = device
         self.include_buffers = include_buffers
+        self.replayable = replayable
         self._suspended = 0
         self._skip_init = device.type == "meta"
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
@@ -192,12 +195,13 @@ class EmptyWeights(ThreadScopedMode):
         self._trace: Trace | None = None
 
     def _fresh(self) -> EmptyWeights:
-        return EmptyWeights(self.device, self.include_buffers)
+        return EmptyWeights(self.device, self.include_buffers, self.replayable)
 
     def __repr__(self) -> str:
         return (
             f"metamode.empty_weights(device={str(self.device)!r}, "
-            f"include_buffers={self.include_buffers})"
+            f"include_buffers={self.include_buffers}"
+            + (", replayable=True)" if self.replayable else ")")
         )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -222,7 +226,7 @@ class EmptyWeights(ThreadScopedMode):
         return func(*args, **kwargs)
 
     def _after_enter(self) -> None:
-        if self._skip_init:
+        if self.replayable:
             self._trace = Trace(self.device)
 
     def _before_exit(self) -> None:

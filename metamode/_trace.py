@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Trace", "registry_entry"]
 
@@ -101,6 +100,53 @@ _FOREIGN = frozenset(
 )
 _MUTATING_DUNDERS = frozenset(["__setitem__", "__set__", "__delitem__"])
 _IS_META = torch.Tensor.is_meta
+# Calls that only read metadata: never recorded.
+_QUERIES = frozenset(
+    [
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "element_size",
+        "nelement",
+        "ndimension",
+        "data_ptr",
+        "get_device",
+        "is_floating_point",
+        "is_complex",
+        "__len__",
+        "__format__",
+        "__repr__",
+        "__hash__",
+        "__bool__",
+        "item",
+        "tolist",
+        "untyped_storage",
+    ]
+)
+_PLAIN_GETTERS = frozenset(
+    [
+        "shape",
+        "dtype",
+        "device",
+        "is_meta",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "layout",
+        "ndim",
+        "requires_grad",
+        "is_leaf",
+        "names",
+        "itemsize",
+        "nbytes",
+        "grad_fn",
+        "_version",
+    ]
+)
 
 
 def _sparse_(tensor, sparsity, std=0.01, generator=None, default_generator=None):
@@ -145,6 +191,40 @@ def _is_random(func: Any) -> bool:
         name in _RANDOM_INIT_NAMES
         and getattr(func, "__module__", "") in ("torch.nn.init", "transformers.initialization")
     ) or (name in _RANDOM_INIT_NAMES and vars(torch.nn.init).get(name) is func)
+
+
+_SCALARS = frozenset([int, float, bool, str, type(None), torch.dtype, torch.Size])
+_TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
+
+
+def _is_tensor_type(kind: type) -> bool:
+    known = _TENSOR_TYPES.get(kind)
+    if known is None:
+        known = _TENSOR_TYPES[kind] = issubclass(kind, torch.Tensor)
+    return known
+
+
+class _IdMap:
+    """tensor -> value, by identity, holding only plain weak references.
+
+    ``torch.utils.weak.WeakIdKeyDictionary`` costs ~3 us a lookup; this is a
+    dict lookup plus one dereference. A stale entry (its tensor died and the
+    id was reused) fails the ``ref() is tensor`` check.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, tensor: torch.Tensor) -> Any:
+        entry = self._entries.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        return None
+
+    def __setitem__(self, tensor: torch.Tensor, value: Any) -> None:
+        self._entries[id(tensor)] = (weakref.ref(tensor), value)
 
 
 class _Ref:
@@ -208,7 +288,7 @@ class Trace:
         self.serial = next(_SERIALS)
         self.owner = threading.get_ident()
         self._next = 0
-        self._ids: WeakIdKeyDictionary | None = WeakIdKeyDictionary()
+        self._ids: _IdMap | None = _IdMap()
         # storage pointer -> [(weakref to tensor, value id)], to find nn.Parameter(t)'s t
         self._storage: dict[int, list] = {}
         self._vid_storage: dict[int, int] = {}
@@ -265,11 +345,13 @@ class Trace:
         return vid
 
     def _encode(self, value: Any, ins: list) -> Any:
-        if isinstance(value, _TENSOR):
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if _is_tensor_type(kind):
             vid = self.vid_of(value)
             ins.append((vid, value))
             return _Ref(vid)
-        kind = type(value)
         if kind is tuple or kind is list:
             return kind(self._encode(v, ins) for v in value)
         if kind is dict:
@@ -297,6 +379,8 @@ class Trace:
             if result is True:
                 self._record_init_on_meta(args[0], sys._getframe(2))
             return result
+        if name in _QUERIES or (name == "__get__" and func.__self__.__name__ in _PLAIN_GETTERS):
+            return run(func, args, kwargs)
         if func is torch.tensor and _asks_for_the_default_device(sys._getframe(2)):
             # transformers' post_init skips init_weights when the default device
             # is meta; eager construction runs it, so the replay must see it.
@@ -356,7 +440,7 @@ class Trace:
         self.ops.append(op)
 
     def _encode_result(self, value: Any, outs: list[int], ins: list) -> Any:
-        if isinstance(value, _TENSOR):
+        if _is_tensor_type(type(value)):
             ids = self._ids
             vid = ids.get(value)
             if vid is None:
@@ -374,7 +458,7 @@ class Trace:
             return _Ref(vid)
         kind = type(value)
         if kind is tuple or kind is list:
-            if not any(isinstance(v, _TENSOR) or type(v) in (tuple, list) for v in value):
+            if not any(_is_tensor_type(type(v)) or type(v) in (tuple, list) for v in value):
                 return value
             return kind(self._encode_result(v, outs, ins) for v in value)
         return value
@@ -451,20 +535,35 @@ def _name(func: Any) -> str:
 
 
 # registered tensor -> (trace, value id); weak, so it keeps no tensor alive.
-_REGISTRY = WeakIdKeyDictionary()
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY: dict[int, tuple[weakref.ref, Trace, int]] = {}
+_REGISTRY_LOCK = threading.RLock()  # RLock: a weakref callback may fire while held
+
+
+def _drop(key: int, ref: weakref.ref) -> None:
+    with _REGISTRY_LOCK:
+        entry = _REGISTRY.get(key)
+        if entry is not None and entry[0] is ref:
+            del _REGISTRY[key]
 
 
 def _register(tensor: torch.Tensor, trace: Trace, vid: int) -> None:
+    key = id(tensor)
+    ref = weakref.ref(tensor, lambda ref: _drop(key, ref))
     with _REGISTRY_LOCK:
-        _REGISTRY[tensor] = (trace, vid)
+        _REGISTRY[key] = (ref, trace, vid)
 
 
 def registry_entry(tensor: torch.Tensor) -> tuple[Trace, int] | None:
     with _REGISTRY_LOCK:
-        return _REGISTRY.get(tensor)
+        entry = _REGISTRY.get(id(tensor))
+    if entry is None or entry[0]() is not tensor:
+        return None
+    return entry[1], entry[2]
 
 
 def forget(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s entry (and with it metamode's weak reference to it)."""
     with _REGISTRY_LOCK:
-        _REGISTRY.pop(tensor, None)
+        entry = _REGISTRY.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            del _REGISTRY[id(tensor)]

@@ -30,7 +30,7 @@ def assert_eager_equal(build, include_buffers: bool, seed: int = 0) -> nn.Module
     torch.manual_seed(seed)
     ref = build()
     torch.manual_seed(seed)
-    with metamode.empty_weights(include_buffers=include_buffers):
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
         model = build()
     assert any(t.is_meta for t in _tensors(model).values())
     assert metamode.is_materializable(model)
@@ -116,7 +116,7 @@ def test_rnn_still_runs_after_materialize(include_buffers):
 
 def test_materialize_leaves_the_default_generator_alone():
     torch.manual_seed(3)
-    with metamode.empty_weights():
+    with metamode.empty_weights(replayable=True):
         model = Custom()
     state = torch.default_generator.get_state()
     metamode.materialize(model)
@@ -131,7 +131,7 @@ def test_user_generator_is_replayed_from_its_state_at_first_use():
 
     ref = build(torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(7)
-    with metamode.empty_weights():
+    with metamode.empty_weights(replayable=True):
         model = build(gen)
     metamode.materialize(model)
     assert torch.equal(model.weight, ref.weight)
@@ -163,7 +163,7 @@ class Outside(nn.Module):
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_unrecordable_tensors_are_refused_before_any_allocation(include_buffers):
     external = torch.ones(3)
-    with metamode.empty_weights(include_buffers=include_buffers):
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
         model = Outside(external)
     assert metamode.is_materializable(model.ok)
     assert not metamode.is_materializable(model.from_outside)
@@ -180,7 +180,7 @@ def test_on_unreproducible_empty_allocates_the_rest_exactly():
     torch.manual_seed(0)
     ref = Outside(external)
     torch.manual_seed(0)
-    with metamode.empty_weights():
+    with metamode.empty_weights(replayable=True):
         model = Outside(external)
     metamode.materialize(model, on_unreproducible="empty")
     assert not any(t.is_meta for t in _tensors(model).values())
@@ -189,7 +189,7 @@ def test_on_unreproducible_empty_allocates_the_rest_exactly():
 
 
 def test_materialize_inside_the_open_context_is_refused():
-    with metamode.empty_weights():
+    with metamode.empty_weights(replayable=True):
         model = nn.Linear(2, 2)
         with pytest.raises(metamode.NotMaterializableError, match="still open"):
             metamode.materialize(model)
@@ -203,9 +203,23 @@ def test_unseedable_random_call_refuses_what_is_drawn_after_it():
             self.register_buffer("mask", nn.functional.dropout(torch.ones(4), 0.5))
             self.after = nn.Linear(2, 2)
 
-    with metamode.empty_weights():
+    with metamode.empty_weights(replayable=True):
         model = Drops()
     with pytest.raises(metamode.NotMaterializableError) as error:
         metamode.materialize(model)
     assert "'after.weight'" in str(error.value)
     assert "'before.weight'" not in str(error.value)
+
+
+def test_a_build_without_replayable_is_refused_with_the_fix_named():
+    with metamode.empty_weights():
+        model = nn.Linear(2, 2)
+    assert not metamode.is_materializable(model)
+    with pytest.raises(metamode.NotMaterializableError, match=r"replayable=True"):
+        metamode.materialize(model)
+    assert model.weight.is_meta
+
+
+def test_replayable_needs_the_meta_device():
+    with pytest.raises(ValueError, match="replayable"):
+        metamode.empty_weights(device="cpu", replayable=True)
