@@ -238,15 +238,20 @@ def _replay(
     root = trace.root
     wanted = {root.get(v, v) for v in targets}
     live: list[bool] = [False] * len(ops)
+    # random calls whose result nobody wants: run on a scratch tensor for their draws
+    draw_only: list[bool] = [False] * len(ops)
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         if op.random or any(root.get(v, v) in wanted for v in op.outs):
             live[i] = True
-            wanted.update(root.get(v, v) for v in op.ins)
+            if op.scratch is not None and root.get(op.mutated, op.mutated) not in wanted:
+                draw_only[i] = True
+            else:
+                wanted.update(root.get(v, v) for v in op.ins)
     last: dict[int, int] = {}
     done: set[int] = set()
     for i, op in enumerate(ops):
-        if live[i]:
+        if live[i] and not draw_only[i]:
             for v in op.ins:
                 last[root.get(v, v)] = i
             for v in op.outs:
@@ -291,7 +296,12 @@ def _replay(
 
     done: set[int] = set()
     for i, op in enumerate(ops):
-        if live[i]:
+        if draw_only[i]:
+            shape, dtype = op.scratch
+            env[op.mutated] = torch.empty(shape, dtype=dtype)
+            _run(op, env, decode, bind, generator)
+            del env[op.mutated]
+        elif live[i]:
             _run(op, env, decode, bind, generator)
         for r in finish.get(i, ()):
             for vid in by_root.get(r, ()):

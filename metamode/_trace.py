@@ -98,6 +98,14 @@ _UNSEEDABLE = frozenset(
 _FOREIGN = frozenset(
     f for f in (torch.from_numpy, torch.frombuffer, getattr(torch, "from_dlpack", None)) if f
 )
+_OVERWRITING = _RANDOM_INIT_NAMES | {
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+}
 _MUTATING_DUNDERS = frozenset(["__setitem__", "__set__", "__delitem__"])
 _IS_META = torch.Tensor.is_meta
 # Calls that only read metadata: never recorded.
@@ -250,7 +258,17 @@ class _Gen:
 
 
 class Op:
-    __slots__ = ("args", "func", "ins", "kwargs", "mutated", "out_spec", "outs", "random")
+    __slots__ = (
+        "args",
+        "func",
+        "ins",
+        "kwargs",
+        "mutated",
+        "out_spec",
+        "outs",
+        "random",
+        "scratch",
+    )
 
     def __init__(self, func, args, kwargs, ins, out_spec, outs, mutated, random):
         self.func = func
@@ -261,6 +279,9 @@ class Op:
         self.outs = outs  # value ids written (results + mutated argument)
         self.mutated = mutated  # value id written in place, or None
         self.random = random
+        # (shape, dtype) when the call overwrites its one tensor argument with
+        # random numbers: replayable into a scratch tensor just for its draws.
+        self.scratch: tuple | None = None
 
 
 class Trace:
@@ -408,6 +429,9 @@ class Trace:
             outs.append(mutated)
         random = _is_random(func)
         op = Op(func, enc_args, enc_kwargs, ins, out_spec, outs, mutated, random)
+        if random and mutated is not None and len(set(ins)) == 1 and name in _OVERWRITING:
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            op.scratch = (tuple(target.shape), target.dtype)
         self._taint_op(op, func)
         self.ops.append(op)
         return result
@@ -436,6 +460,8 @@ class Trace:
         enc_kwargs = self._encode(kwargs, ins)
         vid = ins[0][0]
         op = Op(replay, enc_args, enc_kwargs, [v for v, _ in ins], _Ref(vid), [vid], vid, random)
+        if random and len({v for v, _ in ins}) == 1:
+            op.scratch = (tuple(tensor.shape), tensor.dtype)
         self._taint_op(op, replay)
         self.ops.append(op)
 
