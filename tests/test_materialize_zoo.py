@@ -223,3 +223,17 @@ def test_a_build_without_replayable_is_refused_with_the_fix_named():
 def test_replayable_needs_the_meta_device():
     with pytest.raises(ValueError, match="replayable"):
         metamode.empty_weights(device="cpu", replayable=True)
+
+
+def test_summary_shows_which_meta_tensors_can_be_materialized():
+    external = torch.ones(3)
+    with metamode.empty_weights(replayable=True):
+        model = Outside(external)
+    report = metamode.summary(model)
+    assert set(report.materializable) == {"ok.weight", "ok.bias"}
+    assert set(report.meta) == {"ok.weight", "ok.bias", "from_outside", "from_numpy"}
+    text = str(report)
+    assert "2 materializable" in text
+    assert "ok.weight  [materializable]" in text
+    assert "from_outside  [materializable]" not in text
+    assert "2 materializable" in report._repr_html_()
