@@ -240,14 +240,33 @@ def _replay(
     live: list[bool] = [False] * len(ops)
     # random calls whose result nobody wants: run on a scratch tensor for their draws
     draw_only: list[bool] = [False] * len(ops)
+    # random calls that overwrite a whole wanted tensor: it is allocated there,
+    # and what was written into it before only needs its draws replayed
+    birth: list[bool] = [False] * len(ops)
+    first_def: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for v in op.outs:
+            first_def.setdefault(v, i)
+    used_later: dict[int, set[int]] = {}
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         if op.random or any(root.get(v, v) in wanted for v in op.outs):
             live[i] = True
-            if op.scratch is not None and root.get(op.mutated, op.mutated) not in wanted:
+            r = root.get(op.mutated, op.mutated)
+            if op.scratch is not None and r not in wanted:
                 draw_only[i] = True
+                continue
+            if (
+                op.scratch is not None
+                and op.mutated == r
+                and all(v == r or first_def.get(v, -1) > i for v in used_later.get(r, ()))
+            ):
+                birth[i] = True
+                wanted.discard(r)
             else:
                 wanted.update(root.get(v, v) for v in op.ins)
+            for v in (*op.ins, *op.outs):
+                used_later.setdefault(root.get(v, v), set()).add(v)
     last: dict[int, int] = {}
     done: set[int] = set()
     for i, op in enumerate(ops):
@@ -301,6 +320,11 @@ def _replay(
             env[op.mutated] = torch.empty(shape, dtype=dtype)
             _run(op, env, decode, bind, generator)
             del env[op.mutated]
+        elif birth[i]:
+            shape, dtype = op.scratch
+            env[op.mutated] = torch.empty(shape, dtype=dtype)
+            held.setdefault(op.mutated, []).append(op.mutated)
+            _run(op, env, decode, bind, generator)
         elif live[i]:
             _run(op, env, decode, bind, generator)
         for r in finish.get(i, ()):
