@@ -39,8 +39,8 @@ def _on_parameter_registered(module, name, param):
         # -> 1.41x torch.device('meta') on a Llama-7B skeleton). Subclasses keep
         # their dispatch: their constructors may rely on it.
         with DisableTorchFunction():
-            return context.place_parameter(param)
-    return context.place_parameter(param)
+            return context.place_parameter(param, module, name)
+    return context.place_parameter(param, module, name)
 
 
 def _on_buffer_registered(module, name, tensor):

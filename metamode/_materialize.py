@@ -37,7 +37,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from metamode._trace import Op, Trace, _Gen, _MetaDevice, _Ref, forget, registry_entry
+from metamode._trace import (
+    Op,
+    Trace,
+    _Gen,
+    _MetaDevice,
+    _Ref,
+    forget,
+    home_entry,
+    registry_entry,
+)
 
 __all__ = ["NotMaterializableError", "is_materializable", "materialize"]
 
@@ -79,15 +88,23 @@ def _traces(slots: dict[int, _Slot]) -> list[Trace]:
     found: dict[Trace, None] = {}
     for slot in slots.values():
         entry = registry_entry(slot.tensor)
+        for home, name in slot.homes if entry is None and _is_dtensor(slot.tensor) else ():
+            entry = entry or home_entry(home, name)
         if entry is not None:
             found[entry[0]] = None
     return list(found)
 
 
 def _why_not(
-    tensor: torch.Tensor, traces: list[Trace] = ()
+    tensor: torch.Tensor, traces: list[Trace] = (), homes: list = ()
 ) -> tuple[tuple[Trace, int] | None, str | None]:
     entry = registry_entry(tensor)
+    if entry is None and _is_dtensor(tensor):
+        # fully_shard made it: it stands for what was registered in its place
+        for home, name in homes:
+            entry = home_entry(home, name)
+            if entry is not None:
+                break
     if entry is None and tensor.is_meta:
         # made without registration (deepcopy of a module, a parameter put in
         # _parameters directly): found by its storage in a sibling's recording
@@ -121,7 +138,7 @@ def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
         return entry is not None and reason is None
     slots = _slots(obj)
     traces = _traces(slots)
-    return all(_why_not(slot.tensor, traces)[1] is None for slot in slots.values())
+    return all(_why_not(slot.tensor, traces, slot.homes)[1] is None for slot in slots.values())
 
 
 def materialize(
@@ -151,7 +168,7 @@ def materialize(
     refused: list[tuple[_Slot, str]] = []
     traces = _traces(slots)
     for slot in slots.values():
-        entry, reason = _why_not(slot.tensor, traces)
+        entry, reason = _why_not(slot.tensor, traces, slot.homes)
         if reason is not None:
             refused.append((slot, reason))
         elif entry is not None:
@@ -178,17 +195,59 @@ def materialize(
             trace.replayed_exit = None
         for trace in sorted(per_trace, key=lambda t: t.serial):
             _replay(trace, per_trace[trace], device, together)
+        sharded = {id(slot.tensor) for slot in slots.values() if _is_dtensor(slot.tensor)}
+        if sharded:
+            _reset_fsdp(module, sharded)
     return module
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "device_mesh")
+
+
+def _local_shard(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the full ``value`` of DTensor ``tensor`` (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    local = value[index].clone(memory_format=torch.contiguous_format)
+    return DTensor.from_local(
+        local,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
+
+
+def _reset_fsdp(module: nn.Module, swapped: set[int]) -> None:
+    """FSDP2 keeps its own view of each sharded parameter's local data: refresh it."""
+    for sub in module.modules():
+        state = getattr(sub, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            if id(fsdp_param.sharded_param) in swapped:
+                fsdp_param.reset_sharded_param()
 
 
 def _install(slot: _Slot, value: torch.Tensor) -> None:
     tensor = slot.tensor
     forget(tensor)
+    if _is_dtensor(tensor):
+        value = _local_shard(tensor, value)
     if slot.kind == "buffer":
         for home, name in slot.homes:
             home._buffers[name] = value
         return
-    new = torch.Tensor._make_subclass(type(tensor), value.detach(), tensor.requires_grad)
+    if _is_dtensor(tensor):
+        new = nn.Parameter(value, requires_grad=tensor.requires_grad)
+    else:
+        new = torch.Tensor._make_subclass(type(tensor), value.detach(), tensor.requires_grad)
     new.__dict__ = dict(tensor.__dict__)
     rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
     for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below

@@ -234,10 +234,12 @@ class EmptyWeights(ThreadScopedMode):
             self._trace.close()
 
     # Called by the registration hooks, always in the owner thread.
-    def place_parameter(self, param: torch.nn.Parameter) -> torch.nn.Parameter | None:
+    def place_parameter(
+        self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
+    ) -> torch.nn.Parameter | None:
         placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
         if self._trace is not None:
-            self._trace.note_registered(param, placed)
+            self._trace.note_registered(param, placed, module, name)
         return placed
 
     def place_buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:

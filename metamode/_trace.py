@@ -512,10 +512,18 @@ class Trace:
             if op.mutated is not None:
                 taint.setdefault(op.mutated, reason)
 
-    def note_registered(self, original: torch.Tensor, placed: torch.Tensor | None) -> None:
+    def note_registered(
+        self,
+        original: torch.Tensor,
+        placed: torch.Tensor | None,
+        module: Any = None,
+        name: str | None = None,
+    ) -> None:
         """``original`` was registered on a module, as ``placed`` (its twin) if moved."""
         why = " (registered as a parameter or buffer)"
         vid = self.vid_of(original, why)
+        if module is not None:
+            _note_home(module, name, self, vid)
         _register(original, self, vid)
         if placed is not None:
             self._ids[placed] = vid
@@ -593,3 +601,33 @@ def forget(tensor: torch.Tensor) -> None:
         entry = _REGISTRY.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
             del _REGISTRY[id(tensor)]
+
+
+# module -> {parameter name: (trace, value id)}: FSDP2's fully_shard replaces a
+# module's parameters by new DTensor parameters; their place says what they are.
+_HOMES: dict[int, tuple[weakref.ref, dict[str, tuple[Trace, int]]]] = {}
+
+
+def _drop_home(key: int, ref: weakref.ref) -> None:
+    with _REGISTRY_LOCK:
+        entry = _HOMES.get(key)
+        if entry is not None and entry[0] is ref:
+            del _HOMES[key]
+
+
+def _note_home(module: Any, name: str, trace: Trace, vid: int) -> None:
+    key = id(module)
+    with _REGISTRY_LOCK:
+        entry = _HOMES.get(key)
+        if entry is None or entry[0]() is not module:
+            entry = _HOMES[key] = (weakref.ref(module, lambda ref: _drop_home(key, ref)), {})
+        entry[1][name] = (trace, vid)
+
+
+def home_entry(module: Any, name: str) -> tuple[Trace, int] | None:
+    """What the parameter registered as ``module.<name>`` in a replayable context was."""
+    with _REGISTRY_LOCK:
+        entry = _HOMES.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return None
+    return entry[1].get(name)
