@@ -237,3 +237,17 @@ def test_summary_shows_which_meta_tensors_can_be_materialized():
     assert "ok.weight  [materializable]" in text
     assert "from_outside  [materializable]" not in text
     assert "2 materializable" in report._repr_html_()
+
+
+def test_recording_holds_no_cpu_tensor_alive():
+    # parameters-only mode allocates each parameter on CPU before moving it to meta;
+    # the recording must not keep those 256 MiB alive
+    import psutil
+    process = psutil.Process()
+    nn.Linear(8, 8)
+    before = process.memory_info().rss
+    with metamode.empty_weights(replayable=True):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)])
+    growth = process.memory_info().rss - before
+    assert growth < 64 * 2**20, growth
+    assert metamode.is_materializable(model)
