@@ -243,6 +243,7 @@ def test_recording_holds_no_cpu_tensor_alive():
     # parameters-only mode allocates each parameter on CPU before moving it to meta;
     # the recording must not keep those 256 MiB alive
     import psutil
+
     process = psutil.Process()
     nn.Linear(8, 8)
     before = process.memory_info().rss
