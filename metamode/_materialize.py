@@ -2,8 +2,8 @@
 
 The rule, exactly:
 
-* Every parameter and buffer of ``module`` registered inside a (device meta)
-  ``metamode.empty_weights()`` context, in either mode, is filled with what
+* Every parameter and buffer of ``module`` registered inside a
+  ``metamode.empty_weights(replayable=True)`` context, in either mode, is filled with what
   ``torch.manual_seed(s); build()`` puts there when the context was entered
   right after ``torch.manual_seed(s)``: the context recorded its thread's
   torch calls (:mod:`metamode._trace`) and the default CPU generator's state
@@ -20,8 +20,11 @@ The rule, exactly:
 * Generators: materialize draws nothing from the process's default
   generator and never changes its state; after the ``with`` block the default
   generator reflects only the draws that really ran during the build.
+* FSDP2: a parameter ``fully_shard`` replaced by a DTensor stands for the one
+  registered in its place; each rank keeps only its local shard of the
+  replayed value (every rank replays the whole build's random draws).
 * Tensors it cannot reproduce -- made outside the context, from NumPy data,
-  under ``skip_empty_weights``, by plain ``torch.device("meta")``, or drawn
+  by plain ``torch.device("meta")`` or a non-replayable context, or drawn
   after a random call that takes no ``generator=`` -- make it raise before
   anything is allocated, naming every one (``on_unreproducible="empty"`` leaves
   them uninitialised on ``device`` instead).
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -425,8 +427,3 @@ def _check(slot: _Slot, value: torch.Tensor) -> None:
             f" but the module holds {tensor.dtype}{list(tensor.shape)}; the recorded build and "
             f"the module disagree (was it changed after the empty_weights block?)"
         )
-
-
-def _iter_names(slots: dict[int, _Slot]) -> Iterator[str]:
-    for slot in slots.values():
-        yield from slot.names
