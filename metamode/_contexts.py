@@ -19,7 +19,9 @@ __all__ = ["active", "empty_weights", "init_empty_weights", "init_on_device", "s
 DeviceLike = torch.device | str | int
 
 
-def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") -> EmptyWeights:
+def empty_weights(
+    include_buffers: bool = False, device: DeviceLike = "meta", *, replayable: bool = False
+) -> EmptyWeights:
     """Context manager and decorator: build modules without allocating their weights.
 
     While active *in the calling thread*, every parameter registered on a
@@ -34,6 +36,10 @@ def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") ->
             it False for models whose buffers are computed at construction
             (RoPE ``inv_freq``, position ids): on meta they would be lost.
         device: where parameters go.
+        replayable: also record the build (device meta only), so that
+            :func:`metamode.materialize` can later give every tensor exactly
+            the values eager construction would have. Costs 1.4-2.5x build
+            time (README, benchmarks), hence opt-in.
 
     Returns a single-use context; as a decorator, each call gets a fresh one.
     Within one context, a parameter registered twice maps to the same moved
@@ -45,7 +51,10 @@ def empty_weights(include_buffers: bool = False, device: DeviceLike = "meta") ->
     """
     if not isinstance(include_buffers, bool):
         raise TypeError(_misused("empty_weights", include_buffers))
-    return EmptyWeights(_checked_device(device), include_buffers)
+    parsed = _checked_device(device)
+    if replayable and parsed.type != "meta":
+        raise ValueError(f"replayable=True records meta builds only, not device {str(parsed)!r}")
+    return EmptyWeights(parsed, include_buffers, bool(replayable))
 
 
 def skip_empty_weights(_bare: object = None, /) -> SkipEmptyWeights:

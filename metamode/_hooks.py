@@ -42,9 +42,9 @@ def _on_parameter_registered(module, name, param):
         # -> 1.41x torch.device('meta') on a Llama-7B skeleton). Subclasses keep
         # their dispatch: their constructors may rely on it.
         with DisableTorchFunction():
-            moved = context.place_parameter(param)
+            moved = context.place_parameter(param, module, name)
     else:
-        moved = context.place_parameter(param)
+        moved = context.place_parameter(param, module, name)
     stacklevel = moved is not None and _load_state_dict_caller(module, name, moved)
     if stacklevel:
         warnings.warn(

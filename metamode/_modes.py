@@ -30,6 +30,7 @@ from torch.utils._device import _device_constructors
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
 from metamode._skippable import skipped_target
+from metamode._trace import Trace
 
 __all__ = [
     "ContextMisuseError",
@@ -290,35 +291,49 @@ class EmptyWeights(ThreadScopedMode):
       :mod:`metamode._skippable` for the exact rule.
     """
 
-    def __init__(self, device: torch.device, include_buffers: bool) -> None:
+    def __init__(
+        self, device: torch.device, include_buffers: bool, replayable: bool = False
+    ) -> None:
         super().__init__()
         self.device = device
         self.include_buffers = include_buffers
         # The skip_empty_weights contexts suspending this one (a set, not a
         # counter: an inert skip drops itself from another thread).
+        self.replayable = replayable
         self._suspended: set[SkipEmptyWeights] = set()
         self._skip_init = device.type == "meta"
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
         # huge model's CPU originals are not kept alive by the context.
         self._moved: torch.utils.weak.WeakIdKeyDictionary | None = None
+        # What metamode.materialize replays (metamode._trace); meta device only.
+        self._trace: Trace | None = None
 
     def _fresh(self) -> EmptyWeights:
-        return EmptyWeights(self.device, self.include_buffers)
+        return EmptyWeights(self.device, self.include_buffers, self.replayable)
 
     def _settings(self) -> tuple:
-        return (self.device, self.include_buffers)
+        return (self.device, self.include_buffers, self.replayable)
 
     def __repr__(self) -> str:
         return (
             f"metamode.empty_weights(device={str(self.device)!r}, "
-            f"include_buffers={self.include_buffers})"
+            f"include_buffers={self.include_buffers}"
+            + (", replayable=True)" if self.replayable else ")")
         )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        trace = self._trace
         if self._suspended:
+            if trace is not None:  # real calls: recorded to keep the random stream aligned
+                return trace.record(func, args, kwargs, _call)
             return func(*args, **kwargs)
+        if trace is not None:
+            return trace.record(func, args, kwargs, self._run)
+        return self._run(func, args, kwargs)
+
+    def _run(self, func, args, kwargs):
         if self.include_buffers and kwargs.get("device") is None and func in _device_constructors():
             kwargs["device"] = self.device
         elif self._skip_init:
@@ -327,16 +342,30 @@ class EmptyWeights(ThreadScopedMode):
                 return target
         return func(*args, **kwargs)
 
+    def _after_enter(self) -> None:
+        if self.replayable:
+            self._trace = Trace(self.device)
+
+    def _before_exit(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+
     # Called by the registration hooks, always in the owner thread.
-    def place_parameter(self, param: torch.nn.Parameter) -> torch.nn.Parameter | None:
-        if _already_on(param, self.device):
-            return None
-        return self._memoised(param, moved_parameter)
+    def place_parameter(
+        self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
+    ) -> torch.nn.Parameter | None:
+        placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
+        if self._trace is not None:
+            self._trace.note_registered(param, placed, module, name)
+        return placed
 
     def place_buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        if not self.include_buffers or _already_on(tensor, self.device):
-            return None
-        return self._memoised(tensor, moved_tensor)
+        placed = None
+        if self.include_buffers and not _already_on(tensor, self.device):
+            placed = self._memoised(tensor, moved_tensor)
+        if self._trace is not None:
+            self._trace.note_registered(tensor, placed)
+        return placed
 
     def _memoised(self, tensor, move):
         if self._moved is None:
@@ -410,6 +439,10 @@ def _bare_decorator(name: str, func: object) -> str:
             f"use @metamode.{name}() instead."
         )
     return f"metamode.{name}() takes no arguments, got {what}."
+
+
+def _call(func, args, kwargs):
+    return func(*args, **kwargs)
 
 
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from metamode._materialize import _slots, _traces, _why_not
+
 __all__ = ["Summary", "SummaryRow", "summary"]
 
 _LISTED = 20  # meta tensors / tied groups shown in str(); all are in the attributes
@@ -46,6 +48,8 @@ class Summary:
         rows: one :class:`SummaryRow` per (kind, device, dtype), sorted.
         meta: names of every parameter and buffer on the meta device.
         tied: groups of names that share one parameter (or buffer) object.
+        materializable: the names in ``meta`` that :func:`metamode.materialize`
+            can give their eager values (built in ``empty_weights(replayable=True)``).
         parameters / buffers: number of distinct tensors of each kind.
         parameter_elements / buffer_elements: their element counts.
         bytes: total bytes, meta tensors included at their materialised size.
@@ -57,6 +61,7 @@ class Summary:
     rows: tuple[SummaryRow, ...]
     meta: tuple[str, ...]
     tied: tuple[tuple[str, ...], ...]
+    materializable: tuple[str, ...] = ()
 
     def _total(self, kind: str | None, attribute: str) -> int:
         return sum(getattr(r, attribute) for r in self.rows if kind is None or r.kind == kind)
@@ -120,9 +125,14 @@ class Summary:
         lines += [rule, line(total)]
         if self.meta:
             lines.append(
-                f"on meta ({len(self.meta)}, {_human(self.meta_bytes)} when materialised):"
+                f"on meta ({len(self.meta)}, {_human(self.meta_bytes)} when materialised; "
+                f"{len(self.materializable)} materializable):"
             )
-            lines += [f"  {name}" for name in self.meta[:_LISTED]]
+            replayable = set(self.materializable)
+            lines += [
+                f"  {name}" + ("  [materializable]" if name in replayable else "")
+                for name in self.meta[:_LISTED]
+            ]
             if len(self.meta) > _LISTED:
                 lines.append(f"  ... and {len(self.meta) - _LISTED} more (see .meta)")
         else:
@@ -155,7 +165,8 @@ class Summary:
             items = "".join(f"<li><code>{esc(n)}</code></li>" for n in self.meta)
             parts.append(
                 f"<details><summary>on meta: {len(self.meta)} tensors, "
-                f"{esc(_human(self.meta_bytes))} when materialised</summary><ul>{items}</ul>"
+                f"{esc(_human(self.meta_bytes))} when materialised, "
+                f"{len(self.materializable)} materializable</summary><ul>{items}</ul>"
                 f"</details>"
             )
         else:
@@ -184,6 +195,8 @@ def summary(module: nn.Module) -> Summary:
         raise TypeError(f"summary() takes an nn.Module, not {type(module).__name__}")
     groups: dict[tuple[str, str, str], list[int]] = {}
     meta: list[str] = []
+    materializable: list[str] = []
+    traces = _traces(_slots(module))
     tied: list[tuple[str, ...]] = []
     for kind, named in (
         ("parameter", module.named_parameters(remove_duplicate=False)),
@@ -202,6 +215,9 @@ def summary(module: nn.Module) -> Summary:
                 tied.append(tuple(names))
             if tensor.is_meta:
                 meta.append(names[0])
+                entry, reason = _why_not(tensor, traces)
+                if entry is not None and reason is None:
+                    materializable.append(names[0])
             group = groups.setdefault((kind, str(tensor.device), _dtype(tensor.dtype)), [0, 0, 0])
             group[0] += 1
             group[1] += tensor.numel()
@@ -213,7 +229,7 @@ def summary(module: nn.Module) -> Summary:
             groups.items(), key=lambda item: (order[item[0][0]], item[0][1], item[0][2])
         )
     )
-    return Summary(type(module).__qualname__, rows, tuple(meta), tuple(tied))
+    return Summary(type(module).__qualname__, rows, tuple(meta), tuple(tied), tuple(materializable))
 
 
 def _dtype(dtype: torch.dtype) -> str:

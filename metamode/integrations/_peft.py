@@ -37,8 +37,12 @@ __all__ = ["disable_for_peft", "enable_for_peft"]
 
 
 def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
-    """metamode's replacement for ``peft.utils.integrations.init_empty_weights``."""
-    return empty_weights(include_buffers=_include_buffers(include_buffers))
+    """metamode's replacement for ``peft.utils.integrations.init_empty_weights``.
+
+    Replayable: a new adapter made with ``low_cpu_mem_usage=True`` can be
+    given its eager values by :func:`metamode.materialize`.
+    """
+    return empty_weights(include_buffers=_include_buffers(include_buffers), replayable=True)
 
 
 def _include_buffers(value: bool | None) -> bool:

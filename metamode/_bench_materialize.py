@@ -1,0 +1,123 @@
+"""``python -m metamode bench-materialize``: what replayable builds and materialize cost.
+
+Rows, each measured in a fresh process (peak RSS is growth over the process
+after imports and a warm-up build of the tiny shape; one intra-op thread):
+
+* build: plain ``empty_weights()`` against ``empty_weights(replayable=True)``,
+  both modes (best of ``--reps``);
+* eager construction against ``materialize(model)`` and
+  ``materialize(<last block>)`` after a replayable build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["main", "measure"]
+
+
+def _last_block(model: Any) -> Any:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is not None:
+        return layers[-1]
+    blocks = [m for m in model.children() if len(list(m.parameters()))]
+    return blocks[-1]
+
+
+def measure(model: str, phase: str, tiny: bool = False) -> dict[str, Any]:
+    """One row's numbers, in this process."""
+    import resource
+
+    import torch
+
+    import metamode
+    from metamode import _bench_workloads as workloads
+
+    workloads.build(model, tiny=True)
+    torch.set_num_threads(1)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    torch.manual_seed(0)
+    if phase.startswith("build"):
+        include_buffers = phase.endswith("+buffers")
+        replayable = "replayable" in phase
+        start = time.perf_counter()
+        with metamode.empty_weights(include_buffers=include_buffers, replayable=replayable):
+            built = workloads.build(model, tiny=tiny)
+        seconds = time.perf_counter() - start
+    elif phase == "eager":
+        start = time.perf_counter()
+        built = workloads.build(model, tiny=tiny)
+        seconds = time.perf_counter() - start
+    else:
+        with metamode.empty_weights(replayable=True):
+            built = workloads.build(model, tiny=tiny)
+        part = built if phase == "materialize" else _last_block(built)
+        start = time.perf_counter()
+        metamode.materialize(part)
+        seconds = time.perf_counter() - start
+    tensors = [*built.parameters(), *built.buffers()]
+    allocated = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "seconds": seconds,
+        "allocated_mib": allocated / 2**20,
+        "peak_rss_growth_mib": (peak - base) / 1024,
+    }
+
+
+PHASES = (
+    "build",
+    "build replayable",
+    "build+buffers",
+    "build replayable+buffers",
+    "eager",
+    "materialize",
+    "materialize block",
+)
+
+
+def _run(model: str, phase: str, tiny: bool) -> dict[str, Any]:
+    code = (
+        "import json, metamode._bench_materialize as b; "
+        f"print(json.dumps(b.measure({model!r}, {phase!r}, {tiny!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{phase} of {model} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metamode bench-materialize")
+    parser.add_argument(
+        "--model", default="llama-small", help="a model of `python -m metamode bench`"
+    )
+    parser.add_argument("--reps", type=int, default=3, help="runs per row; the best is shown")
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test)")
+    args = parser.parse_args(argv)
+    rows = {}
+    for phase in PHASES:
+        runs = [_run(args.model, phase, args.tiny) for _ in range(max(1, args.reps))]
+        rows[phase] = min(runs, key=lambda r: r["seconds"])
+    print(f"{args.model}{' (tiny)' if args.tiny else ''}: best of {args.reps}")
+    print(f"{'row':28} {'time':>10} {'allocated':>12} {'peak RSS':>12}")
+    for phase, row in rows.items():
+        print(
+            f"{phase:28} {row['seconds']:>9.3f}s {row['allocated_mib']:>8.0f} MiB"
+            f" {row['peak_rss_growth_mib']:>8.0f} MiB"
+        )
+    for plain, recorded in (
+        ("build", "build replayable"),
+        ("build+buffers", "build replayable+buffers"),
+    ):
+        ratio = rows[recorded]["seconds"] / max(rows[plain]["seconds"], 1e-9)
+        print(f"{recorded} / {plain}: {ratio:.2f}x (target <= 1.1x)")
+    ratio = rows["materialize"]["seconds"] / max(rows["eager"]["seconds"], 1e-9)
+    print(f"materialize / eager: {ratio:.2f}x (target <= 1.2x)")
+    return 0

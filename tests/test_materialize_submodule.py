@@ -1,0 +1,72 @@
+"""materialize(submodule): allocates only that submodule, with exactly the eager values.
+
+The rule: a submodule's tensors get the values the eager build gave them. The
+replay still draws every random number drawn before them (into scratch tensors
+it frees at once), so it costs the random-init time of the whole build, and
+the memory of the submodule plus one scratch tensor at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import metamode
+from tests.test_materialize_zoo import MODES, Custom, _tensors
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _llama():
+    return tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+
+
+def _stack():
+    return nn.Sequential(*[Custom() for _ in range(3)], nn.LSTM(8, 8))
+
+
+_llama()  # transformers adds Module.smart_apply on first use: before the state guard
+
+CASES = {
+    "llama_layer_2": (_llama, lambda m: m.model.layers[2]),
+    "llama_rotary": (_llama, lambda m: m.model.rotary_emb),
+    "custom_stack_middle": (_stack, lambda m: m[1]),
+    "custom_stack_last": (_stack, lambda m: m[3]),
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, include_buffers):
+    build, pick = CASES[name]
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        model = build()
+    part = pick(model)
+    inside = {id(t) for t in _tensors(part).values()}
+    meta_outside = [key for key, t in _tensors(model).items() if t.is_meta and id(t) not in inside]
+    assert meta_outside and inside
+    assert metamode.materialize(part) is part
+    want = _tensors(pick(ref))
+    for key, tensor in _tensors(part).items():
+        assert not tensor.is_meta, key
+        assert torch.equal(tensor, want[key]), key
+    now = _tensors(model)
+    assert [key for key in meta_outside if not now[key].is_meta] == []
+    # materializing the rest afterwards completes the eager model
+    metamode.materialize(model)
+    for key, tensor in _tensors(ref).items():
+        assert torch.equal(_tensors(model)[key], tensor), key
