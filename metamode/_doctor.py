@@ -40,10 +40,9 @@ from types import ModuleType
 
 import torch
 import torch.nn.init
-import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _originals, _stack
+from metamode import _hooks, _originals, _stack, _torch
 from metamode._invariants import FACTORY_NAMES
 from metamode._originals import FunctionSlot
 
@@ -403,17 +402,13 @@ def _check_default_dtype() -> list[Finding]:
     ]
 
 
-def _device_contexts_on_stack() -> list[torch.utils._device.DeviceContext]:
-    return [
-        m
-        for m in _stack.modes_innermost_first()
-        if isinstance(m, torch.utils._device.DeviceContext)
-    ]
+def _device_contexts_on_stack() -> list[_torch.DeviceContext]:
+    return [m for m in _stack.modes_innermost_first() if isinstance(m, _torch.DeviceContext)]
 
 
 def _check_default_device() -> list[Finding]:
     findings = []
-    global_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    global_context = _torch.global_device_context()
     if global_context is not None:
         findings.append(
             Finding(
@@ -434,7 +429,7 @@ def _check_default_device() -> list[Finding]:
                 _repair=_reset_default_device,
             )
         )
-    current = torch.utils._device.CURRENT_DEVICE
+    current = _torch.current_device()
     if current is not None and not findings:
         findings.append(
             Finding(
@@ -451,17 +446,17 @@ def _check_default_device() -> list[Finding]:
 def _reset_default_device(_: object) -> str:
     # Several findings share this repair; the first call does the work.
     done = []
-    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None:
+    if _torch.global_device_context() is not None:
         try:
             torch.set_default_device(None)
         except AssertionError:  # torch's own exit found a stack it did not expect
-            torch._GLOBAL_DEVICE_CONTEXT.device_context = None
+            _torch.set_global_device_context(None)
         done.append("torch.set_default_device(None)")
     for mode in _device_contexts_on_stack():
         _stack.remove(mode)
         done.append(f"removed torch.device({str(mode.device)!r}) from this thread's mode stack")
-    if torch.utils._device.CURRENT_DEVICE is not None:
-        torch.utils._device.CURRENT_DEVICE = None
+    if _torch.current_device() is not None:
+        _torch.clear_current_device()
         done.append("reset torch.utils._device.CURRENT_DEVICE to None")
     return "; ".join(done) or "already reset by the repair above"
 
@@ -469,7 +464,7 @@ def _reset_default_device(_: object) -> str:
 def _check_modes() -> list[Finding]:
     findings = []
     for mode in _stack.modes_innermost_first():
-        if isinstance(mode, torch.utils._device.DeviceContext):
+        if isinstance(mode, _torch.DeviceContext):
             continue  # reported as a default device
 
         def pop(_: object, m=mode) -> str:

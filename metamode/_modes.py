@@ -23,12 +23,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
-from torch.utils._device import _device_constructors
+from torch.overrides import TorchFunctionMode
 
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
 from metamode._skippable import skipped_target
+from metamode._torch import device_constructors, pop_mode, push_mode
 
 __all__ = [
     "ContextMisuseError",
@@ -91,11 +91,11 @@ class ThreadScopedMode(TorchFunctionMode):
             )
         self._owner = threading.get_ident()
         self._state = _ENTERED
-        _push_mode(self)
+        push_mode(self)
         try:
             self._after_enter()
         except BaseException:
-            _pop_mode()
+            pop_mode()
             self._state = _EXITED
             raise
         return self
@@ -112,7 +112,7 @@ class ThreadScopedMode(TorchFunctionMode):
         self._state = _EXITED
         self._before_exit()
         if _stack.top() is self:
-            _pop_mode()
+            pop_mode()
             return
         # Out of order: something entered after us is still open. Take only
         # ourselves off the stack so nothing leaks, keep the newer contexts
@@ -202,7 +202,7 @@ class EmptyWeights(ThreadScopedMode):
             kwargs = {}
         if self._suspended:
             return func(*args, **kwargs)
-        if self.include_buffers and kwargs.get("device") is None and func in _device_constructors():
+        if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
             kwargs["device"] = self.device
         elif self._skip_init:
             target = skipped_target(func, args, kwargs)

@@ -51,6 +51,8 @@ from types import FunctionType, ModuleType
 
 import torch
 
+from metamode._torch import VariableFunctions
+
 __all__ = [
     "FunctionSlot",
     "builtin_original",
@@ -107,7 +109,7 @@ def describe(obj: object) -> str:
 
 def builtin_original(name: str) -> object | None:
     """torch's own C function ``torch.<name>``, from ``torch._C._VariableFunctions``."""
-    return getattr(torch._C._VariableFunctions, name, None)
+    return getattr(VariableFunctions, name, None)
 
 
 # -- Python functions ---------------------------------------------------------

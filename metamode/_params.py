@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
+from metamode._torch import make_subclass
+
 __all__ = ["moved_parameter", "moved_tensor"]
 
 
@@ -45,8 +47,8 @@ def _rebuilt_subclass(cls: type, data: torch.Tensor, requires_grad: bool, attrib
         try:
             moved = cls(data, requires_grad=requires_grad)
         except TypeError:
-            moved = torch.Tensor._make_subclass(cls, data, requires_grad)
+            moved = make_subclass(cls, data, requires_grad)
     if type(moved) is not cls or moved.device != data.device:
-        moved = torch.Tensor._make_subclass(cls, data, requires_grad)
+        moved = make_subclass(cls, data, requires_grad)
     moved.requires_grad_(requires_grad)
     return moved

@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from metamode._torch import default_torch_function
+
 __all__ = ["POINTLESS_ON_META", "bound_in_nn_init", "skipped_target"]
 
 _INIT_FUNCTIONS = (
@@ -100,7 +102,7 @@ POINTLESS_ON_META: frozenset[Any] = frozenset(
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _DEFAULT_TORCH_FUNCTIONS = (
-    torch._C._disabled_torch_function_impl,
+    default_torch_function,
     torch.Tensor.__torch_function__.__func__,
 )
 # subclass -> whether it keeps the default __torch_function__; weak, so classes
