@@ -11,38 +11,88 @@ stack, so it affects only the thread that entered it and cannot leak.
     >>> layer.weight.device
     device(type='meta')
 
-Importing metamode installs torch's official parameter/buffer registration
-hooks once (they do nothing unless a metamode context is active in the
-calling thread).
+``import metamode`` imports nothing else (not even torch): each public name is
+imported from its module on first use. The registration hooks (torch's
+official parameter/buffer hooks, which do nothing unless a metamode context is
+active in the calling thread) are installed once per process when the core
+module :mod:`metamode._modes` is first imported -- which every context needs,
+so they are always in place before any context can be entered.
 """
 
-from metamode import (
-    _hooks,  # noqa: F401  (installs the registration hooks)
-    testing,
-)
-from metamode._contexts import (
-    active,
-    empty_weights,
-    init_empty_weights,
-    init_on_device,
-    skip_empty_weights,
-)
-from metamode._default_dtype import default_dtype
-from metamode._doctor import doctor
-from metamode._modes import ContextMisuseError, EmptyWeights, SkipEmptyWeights
-from metamode._skip_init import skip_init
-from metamode._summary import summary
-from metamode.integrations._accelerate import disable_for_accelerate, enable_for_accelerate
-from metamode.integrations._diffusers import disable_for_diffusers, enable_for_diffusers
-from metamode.integrations._enable_all import disable, enable
-from metamode.integrations._peft import disable_for_peft, enable_for_peft
-from metamode.integrations._rebind import IncompatibleLibraryError
-from metamode.integrations._transformers import disable_for_transformers, enable_for_transformers
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "active": "metamode._contexts",
+    "empty_weights": "metamode._contexts",
+    "init_empty_weights": "metamode._contexts",
+    "init_on_device": "metamode._contexts",
+    "skip_empty_weights": "metamode._contexts",
+    "default_dtype": "metamode._default_dtype",
+    "doctor": "metamode._doctor",
+    "ContextMisuseError": "metamode._modes",
+    "EmptyWeights": "metamode._modes",
+    "SkipEmptyWeights": "metamode._modes",
+    "skip_init": "metamode._skip_init",
+    "summary": "metamode._summary",
+    "disable_for_accelerate": "metamode.integrations._accelerate",
+    "enable_for_accelerate": "metamode.integrations._accelerate",
+    "disable_for_diffusers": "metamode.integrations._diffusers",
+    "enable_for_diffusers": "metamode.integrations._diffusers",
+    "disable": "metamode.integrations._enable_all",
+    "enable": "metamode.integrations._enable_all",
+    "disable_for_peft": "metamode.integrations._peft",
+    "enable_for_peft": "metamode.integrations._peft",
+    "IncompatibleLibraryError": "metamode.integrations._rebind",
+    "disable_for_transformers": "metamode.integrations._transformers",
+    "enable_for_transformers": "metamode.integrations._transformers",
+}
+_SUBMODULES = ("testing", "integrations")
 
-def load_ipython_extension(ipython) -> None:
+if _typing.TYPE_CHECKING:
+    from metamode import integrations, testing  # noqa: F401
+    from metamode._contexts import (
+        active,
+        empty_weights,
+        init_empty_weights,
+        init_on_device,
+        skip_empty_weights,
+    )
+    from metamode._default_dtype import default_dtype
+    from metamode._doctor import doctor
+    from metamode._modes import ContextMisuseError, EmptyWeights, SkipEmptyWeights
+    from metamode._skip_init import skip_init
+    from metamode._summary import summary
+    from metamode.integrations._accelerate import disable_for_accelerate, enable_for_accelerate
+    from metamode.integrations._diffusers import disable_for_diffusers, enable_for_diffusers
+    from metamode.integrations._enable_all import disable, enable
+    from metamode.integrations._peft import disable_for_peft, enable_for_peft
+    from metamode.integrations._rebind import IncompatibleLibraryError
+    from metamode.integrations._transformers import (
+        disable_for_transformers,
+        enable_for_transformers,
+    )
+
+
+def __getattr__(name: str) -> object:
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = _importlib.import_module(f"metamode.{name}")
+    else:
+        raise AttributeError(f"module 'metamode' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+
+
+def load_ipython_extension(ipython: object) -> None:
     """``%load_ext metamode``: registers the ``%%empty_weights`` cell magic."""
     from metamode._ipython import load_ipython_extension as load
 

@@ -278,3 +278,9 @@ def active_empty_weights() -> EmptyWeights | None:
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
     here = tensor.device
     return here.type == device.type and (device.index is None or here.index == device.index)
+
+
+# Installs the registration hooks. Here, in the module every context class comes
+# from, so the hooks are in place before any context can be entered; at the end,
+# because metamode._hooks imports active_empty_weights from this module.
+from metamode import _hooks  # noqa: E402, F401

@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import metamode
-from metamode import _bench
-from metamode._bench_workloads import TorchLM, describe
+from metamode.lab import bench as _bench
+from metamode.lab.workloads import TorchLM, describe
 from tests.conftest import run_python
 
 # aten ops that only write values (what the skip avoids on meta tensors)
@@ -130,7 +130,7 @@ _LIBRARY_CHECK = textwrap.dedent(
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     import metamode
-    from metamode._bench_workloads import LLAMA_SHAPES, describe, _lora_config
+    from metamode.lab.workloads import LLAMA_SHAPES, describe, _lora_config
 
     def llama(**overrides):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,7 +138,7 @@ _LIBRARY_CHECK = textwrap.dedent(
 
     def unet():
         from diffusers import UNet2DConditionModel
-        from metamode._bench_workloads import SDXL_UNET_TINY
+        from metamode.lab.workloads import SDXL_UNET_TINY
         return UNet2DConditionModel(**SDXL_UNET_TINY)
 
     cases = {

@@ -1,7 +1,7 @@
 """metamode.doctor(): finds and repairs what other libraries leave in torch.
 
 The corrupting runs happen in one subprocess (they corrupt its interpreter):
-first stock PEFT's overlap reproducer, loaded *without* importing metamode,
+first stock PEFT's overlap reproducer, run before metamode's core is imported,
 so the doctor must recognise torch's originals by where they are defined,
 not by a snapshot; then one leftover of every other kind. The in-process
 tests corrupt only what they restore themselves, and the suite's guard
@@ -19,7 +19,7 @@ from metamode import _doctor
 from tests.conftest import run_python
 
 CORRUPT_THEN_DOCTOR = r"""
-import importlib.util, json, sys, threading, types
+import json, sys, threading, types
 
 def as_json(report):
     return {
@@ -40,13 +40,10 @@ def linear_devices():
     thread.start(); thread.join()
     return [str(nn.Linear(2, 2).weight.device), other["d"]]
 
-# --- 1. stock PEFT's overlap reproducer, metamode not imported -------------------
-location = importlib.util.find_spec("metamode").submodule_search_locations[0]
-spec = importlib.util.spec_from_file_location("stock_scenarios", location + "/_scenarios.py")
-stock = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(stock)
+# --- 1. stock PEFT's overlap reproducer, metamode's core not imported ------------
+from metamode.lab import core_imported, scenarios as stock
 overlap = stock.overlap("stock-peft")
-out = {"overlap": overlap, "metamode_imported_before": "metamode" in sys.modules}
+out = {"overlap": overlap, "metamode_imported_before": core_imported()}
 torch_register_parameter = stock._TORCH_REGISTER_PARAMETER  # only to verify the repair
 
 import metamode

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import metamode
-from metamode._scenarios import TinyAttentionBlock
+from metamode.lab.scenarios import TinyAttentionBlock
 from metamode.testing import HammerReport, hammer
 from tests.conftest import run_python
 
 STOCK_THEN_SHIM = r"""
 import itertools, json, threading
 import metamode
-from metamode._scenarios import _inject, check_injected, TinyAttentionBlock
+from metamode.lab.scenarios import _inject, check_injected, TinyAttentionBlock
 from metamode.testing import hammer
 
 calls = itertools.count()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import metamode
-from metamode._scenarios import TinyAttentionBlock
+from metamode.lab.scenarios import TinyAttentionBlock
 from tests.conftest import run_python
 
 NAMES = ("init_empty_weights", "_init_on_device", "_skip_init_on_device")
