@@ -191,6 +191,7 @@ _LIBRARY_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_skipped_init_builds_exactly_the_plain_model_transformers_diffusers_peft():
     # A subprocess: transformers' first init adds torch.nn.Module.smart_apply,
     # a global change the suite's guard would (rightly) report.
@@ -355,6 +356,7 @@ def test_without_optional_packages_the_pure_torch_workload_still_runs():
 # -- the command ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_quick_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

@@ -84,6 +84,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
     # One intra-op thread for tiny models: see tests/conftest.py.
     pytest.mark.usefixtures("one_intra_op_thread"),
+    pytest.mark.slow,
 ]
 
 

@@ -134,12 +134,14 @@ def _finding(report: dict, target: str) -> dict:
 # -- stock PEFT's leak, diagnosed by a metamode imported afterwards -------------------
 
 
+@pytest.mark.slow
 def test_stock_peft_reproducer_corrupts_the_process_before_metamode_is_imported(corrupted):
     assert corrupted["metamode_imported_before"] is False
     assert corrupted["overlap"]["corrupted"] is True
     assert corrupted["overlap"]["register_parameter_is_torchs"] is False
 
 
+@pytest.mark.slow
 def test_doctor_finds_the_leaked_patch_and_names_peft(corrupted):
     found = corrupted["stock_found"]
     assert found["ok"] is False
@@ -152,6 +154,7 @@ def test_doctor_finds_the_leaked_patch_and_names_peft(corrupted):
     assert finding["repaired"] is None  # nothing is touched without repair=True
 
 
+@pytest.mark.slow
 def test_doctor_repair_restores_torchs_own_register_parameter(corrupted):
     repair = corrupted["stock_repair"]
     assert [f["repaired"] for f in repair["findings"]] == [True]
@@ -165,6 +168,7 @@ def test_doctor_repair_restores_torchs_own_register_parameter(corrupted):
 # -- every other kind of leftover -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_doctor_finds_every_kind_of_leftover(corrupted):
     targets = _targets(corrupted["sink_found"])
     expected = {
@@ -189,6 +193,7 @@ def test_doctor_finds_every_kind_of_leftover(corrupted):
     assert expected <= targets, expected - targets
 
 
+@pytest.mark.slow
 def test_each_finding_names_its_culprit(corrupted):
     found = corrupted["sink_found"]
     culprits = {
@@ -206,6 +211,7 @@ def test_each_finding_names_its_culprit(corrupted):
     assert sorted(modes) == ["__main__.LeakyMode", "metamode._modes.EmptyWeights"]
 
 
+@pytest.mark.slow
 def test_repair_fixes_everything_and_a_second_look_finds_nothing(corrupted):
     repair = corrupted["sink_repair"]
     assert [f["target"] for f in repair["findings"] if not f["repaired"]] == []
@@ -219,6 +225,7 @@ def test_repair_fixes_everything_and_a_second_look_finds_nothing(corrupted):
     assert checks["stack_depth"] == 0
 
 
+@pytest.mark.slow
 def test_repair_puts_back_the_original_objects_where_they_survive(corrupted):
     assert corrupted["sink_checks"]["identities"] == dict.fromkeys(
         corrupted["sink_checks"]["identities"], True
@@ -228,6 +235,7 @@ def test_repair_puts_back_the_original_objects_where_they_survive(corrupted):
     assert "found still referenced elsewhere" in action
 
 
+@pytest.mark.slow
 def test_repair_recompiles_a_method_nothing_references_any_more(corrupted):
     action = _finding(corrupted["sink_repair"], "torch.nn.Module.register_module")["action"]
     assert "recompiled from" in action and "module.py" in action

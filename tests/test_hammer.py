@@ -55,6 +55,7 @@ def peft_runs() -> dict:
     return run_python(STOCK_THEN_SHIM)
 
 
+@pytest.mark.slow
 def test_hammer_catches_stock_peft_race(peft_runs):
     stock = peft_runs["stock"]
     assert stock["ok"] is False
@@ -70,6 +71,7 @@ def test_hammer_catches_stock_peft_race(peft_runs):
     assert "FAILED" in stock["text"]
 
 
+@pytest.mark.slow
 def test_hammer_passes_peft_through_metamode(peft_runs):
     shim = peft_runs["shim"]
     assert shim["ok"] is True, shim["text"]

@@ -343,6 +343,7 @@ def all_shims() -> Iterator[dict[str, tuple[str, ...]]]:
 # -- diffusers ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stock_diffusers_concurrent_loads_corrupt_the_process(unet_checkpoint):
     result = run_python(
         _SUBPROCESS.format(repo=str(REPO), enable=False, checkpoint=unet_checkpoint, rounds=5)
@@ -378,6 +379,7 @@ def _assert_clean(result: dict[str, Any], rounds: int, forced: bool) -> None:
     assert builds >= rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("low_cpu_mem_usage", "rounds"), [(True, 50), (False, 10)])
 def test_after_metamode_enable_forced_rounds_leak_nothing(
     unet_checkpoint, all_shims, low_cpu_mem_usage, rounds
@@ -388,6 +390,7 @@ def test_after_metamode_enable_forced_rounds_leak_nothing(
     _assert_clean(result, rounds, forced=True)
 
 
+@pytest.mark.slow
 def test_after_metamode_enable_free_running_rounds_leak_nothing(unet_checkpoint, all_shims):
     """Stress: no forced order, a 1 µs switch interval (stock corrupts ~every round)."""
     interval = sys.getswitchinterval()
@@ -653,6 +656,7 @@ def xglm_buffer_dtypes() -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enable", [False, True], ids=["stock", "metamode.enable"])
 def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
     """Stock corrupts; metamode's shim fixes ``torch.linspace`` only (documented limits)."""

@@ -83,6 +83,7 @@ def test_there_are_notebooks_to_run() -> None:
     assert len(NOTEBOOKS) >= 4, NOTEBOOKS
 
 
+@pytest.mark.slow
 def test_kernel_runs_this_interpreter(kernel_specs: KernelSpecManager) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
@@ -104,6 +105,7 @@ def test_notebook_is_committed_stripped(path: Path) -> None:
     assert _load_strip_tool().is_stripped(notebook), f"run python notebooks/_strip.py {path}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path, kernel_specs: KernelSpecManager) -> None:
     before = notebook_dir_listing()

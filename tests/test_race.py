@@ -25,6 +25,7 @@ FIXED = {
 }
 
 
+@pytest.mark.slow
 def test_stock_peft_corrupts_the_process():
     result = run_python("from metamode.lab.scenarios import main; main(['overlap', 'stock-peft'])")
     assert result == {
@@ -51,6 +52,7 @@ def test_peft_own_init_empty_weights_is_safe_after_enable_for_peft():
         metamode.disable_for_peft()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["stock-peft", "peft-shim"])
 def test_the_scenario_in_a_fresh_interpreter(kind):
     """Same scenario, same interpreter state for both kinds: only the shim differs."""

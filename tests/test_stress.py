@@ -15,9 +15,13 @@ removed in the scenario itself), so the stock code runs unmodified.
 
 from __future__ import annotations
 
+import pytest
+
 import metamode
 from metamode.lab import scenarios
 from tests.conftest import run_python
+
+pytestmark = pytest.mark.slow  # stress rounds and subprocess reproducers
 
 FORCED = """
 import json, threading
