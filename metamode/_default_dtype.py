@@ -80,7 +80,7 @@ def _scalar_kind(value: Any) -> int:
             return _FLOAT
         return _BOOL if value.dtype == torch.bool else _INT
     dtype = getattr(value, "dtype", None)  # NumPy scalars
-    kind = getattr(dtype, "kind", None)
+    kind = str(getattr(dtype, "kind", ""))
     return {"b": _BOOL, "i": _INT, "u": _INT, "f": _FLOAT, "c": _COMPLEX}.get(kind, _OTHER)
 
 

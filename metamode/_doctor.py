@@ -32,11 +32,12 @@ request, and only to put torch's own object back.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from types import ModuleType
+from types import FunctionType, ModuleType
 
 import torch
 import torch.nn.init
@@ -165,7 +166,7 @@ class _Recovered:
 
     def __init__(self, findings: tuple[Finding, ...]) -> None:
         self._wanted = {f._slot: f._current for f in findings if f._slot is not None}
-        self._found: dict[FunctionSlot, tuple[object, str]] | None = None
+        self._found: dict[FunctionSlot, tuple[FunctionType, str]] | None = None
 
     def get(self, slot: FunctionSlot) -> tuple[object, str] | None:
         if self._found is None:
@@ -252,7 +253,7 @@ def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> l
                 f"{label}.{name}",
                 problem,
                 culprit,
-                _repair=lambda found, o=owner, n=name, s=slot: _restore_function(o, n, s, found),
+                _repair=functools.partial(_restore_function, owner, name, slot),
                 _slot=slot,
                 _current=current,
             )
@@ -274,7 +275,7 @@ def _check_factories(
                 f"{label}.{name}",
                 "missing" if current is _MISSING else "is not torch's own",
                 None if current is _MISSING else _originals.describe(current),
-                _repair=lambda _, o=owner, n=name, v=original: _set(
+                _repair=lambda _, o=owner, n=name, v=original: _set(  # type: ignore[misc]
                     o, n, v, f"restored torch._C._VariableFunctions.{n}"
                 ),
             )

@@ -9,7 +9,9 @@ after is how the test suite proves that metamode leaves nothing behind.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ class Snapshot:
         return changes
 
 
-def _identities(namespace: dict, names=None) -> dict[str, int]:
+def _identities(namespace: Mapping[str, Any], names=None) -> dict[str, int]:
     keys = namespace.keys() if names is None else [n for n in names if n in namespace]
     return {name: id(namespace[name]) for name in keys}
 

@@ -40,7 +40,9 @@ def moved_parameter(param: Parameter, device: torch.device) -> Parameter:
     return moved
 
 
-def _rebuilt_subclass(cls: type, data: torch.Tensor, requires_grad: bool, attributes: dict):
+def _rebuilt_subclass(
+    cls: type[Parameter], data: torch.Tensor, requires_grad: bool, attributes: dict
+) -> Parameter:
     try:  # bitsandbytes-style: every attribute is a constructor argument
         moved = cls(data, requires_grad=requires_grad, **attributes)
     except TypeError:

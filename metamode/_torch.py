@@ -32,6 +32,7 @@ private name                                     public alternative
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from torch._C import (
     _VariableFunctions,
 )
 from torch.nn.modules import module as _torch_module
-from torch.overrides import _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils._device import DeviceContext, _device_constructors
 
 __all__ = [
@@ -69,7 +70,7 @@ __all__ = [
 push_mode = _push_mode
 pop_mode = _pop_mode
 mode_stack_depth = _len_torch_function_stack
-mode_at = _get_function_stack_at
+mode_at: Callable[[int], TorchFunctionMode] = _get_function_stack_at
 default_torch_function = _disabled_torch_function_impl
 VariableFunctions = _VariableFunctions
 device_constructors = _device_constructors

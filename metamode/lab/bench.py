@@ -799,7 +799,7 @@ def machine() -> dict[str, Any]:
         for line in meminfo:
             if line.startswith("MemTotal:"):
                 total = int(line.split()[1]) * 1024
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in ("torch", *_OPTIONAL, "metamode", "rich"):
         try:
             versions[package] = importlib.metadata.version(package)
@@ -912,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     runner: ForkServer | FreshInterpreters
     runner = ForkServer(plan.packages) if use_fork else FreshInterpreters()
     records: list[dict[str, Any]] = []
-    skipped: dict[tuple[str, str], str] = {}
+    skipped: dict[tuple[Any, str], str] = {}
     try:
         probes = [
             dict(section="size", kind="size", model=m, method="size", rep=0, tiny=plan.tiny)
