@@ -8,10 +8,10 @@ import sys
 
 # command -> (module with a ``main(argv)``, one-line help)
 _COMMANDS = {
-    "demo": ("metamode._demo", "show PEFT's concurrency bug and metamode's fix on tiny models"),
-    "bench": ("metamode._bench", "benchmark empty-model construction against the stock paths"),
+    "demo": ("metamode.lab.demo", "show PEFT's concurrency bug and metamode's fix on tiny models"),
+    "bench": ("metamode.lab.bench", "benchmark empty-model construction against the stock paths"),
     "bench-materialize": (
-        "metamode._bench_materialize",
+        "metamode.lab.bench_materialize",
         "time replayable builds and materialize against eager construction",
     ),
     "doctor": ("metamode._doctor", "find (and optionally repair) global patches left in torch"),

@@ -34,18 +34,18 @@ request, and only to put torch's own object back.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from types import ModuleType
+from types import FunctionType, ModuleType
 
 import torch
 import torch.nn.init
-import torch.utils._device
 from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _known_changes, _originals, _stack
+from metamode import _hooks, _known_changes, _originals, _stack, _torch
 from metamode._invariants import FACTORY_NAMES
 from metamode._originals import FunctionSlot
 
@@ -168,7 +168,7 @@ class _Recovered:
 
     def __init__(self, findings: tuple[Finding, ...]) -> None:
         self._wanted = {f._slot: f._current for f in findings if f._slot is not None}
-        self._found: dict[FunctionSlot, tuple[object, str]] | None = None
+        self._found: dict[FunctionSlot, tuple[FunctionType, str]] | None = None
 
     def get(self, slot: FunctionSlot) -> tuple[object, str] | None:
         if self._found is None:
@@ -266,7 +266,7 @@ def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> l
                 f"{label}.{name}",
                 problem,
                 culprit,
-                _repair=lambda found, o=owner, n=name, s=slot: _restore_function(o, n, s, found),
+                _repair=functools.partial(_restore_function, owner, name, slot),
                 _slot=slot,
                 _current=current,
             )
@@ -288,7 +288,7 @@ def _check_factories(
                 f"{label}.{name}",
                 "missing" if current is _MISSING else "is not torch's own",
                 None if current is _MISSING else _originals.describe(current),
-                _repair=lambda _, o=owner, n=name, v=original: _set(
+                _repair=lambda _, o=owner, n=name, v=original: _set(  # type: ignore[misc]
                     o, n, v, f"restored torch._C._VariableFunctions.{n}"
                 ),
             )
@@ -418,17 +418,13 @@ def _check_default_dtype() -> list[Finding]:
     ]
 
 
-def _device_contexts_on_stack() -> list[torch.utils._device.DeviceContext]:
-    return [
-        m
-        for m in _stack.modes_innermost_first()
-        if isinstance(m, torch.utils._device.DeviceContext)
-    ]
+def _device_contexts_on_stack() -> list[_torch.DeviceContext]:
+    return [m for m in _stack.modes_innermost_first() if isinstance(m, _torch.DeviceContext)]
 
 
 def _check_default_device() -> list[Finding]:
     findings = []
-    global_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    global_context = _torch.global_device_context()
     if global_context is not None:
         findings.append(
             Finding(
@@ -449,7 +445,7 @@ def _check_default_device() -> list[Finding]:
                 _repair=_reset_default_device,
             )
         )
-    current = torch.utils._device.CURRENT_DEVICE
+    current = _torch.current_device()
     if current is not None and not findings:
         findings.append(
             Finding(
@@ -466,17 +462,17 @@ def _check_default_device() -> list[Finding]:
 def _reset_default_device(_: object) -> str:
     # Several findings share this repair; the first call does the work.
     done = []
-    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None:
+    if _torch.global_device_context() is not None:
         try:
             torch.set_default_device(None)
         except AssertionError:  # torch's own exit found a stack it did not expect
-            torch._GLOBAL_DEVICE_CONTEXT.device_context = None
+            _torch.set_global_device_context(None)
         done.append("torch.set_default_device(None)")
     for mode in _device_contexts_on_stack():
         _stack.remove(mode)
         done.append(f"removed torch.device({str(mode.device)!r}) from this thread's mode stack")
-    if torch.utils._device.CURRENT_DEVICE is not None:
-        torch.utils._device.CURRENT_DEVICE = None
+    if _torch.current_device() is not None:
+        _torch.clear_current_device()
         done.append("reset torch.utils._device.CURRENT_DEVICE to None")
     return "; ".join(done) or "already reset by the repair above"
 
@@ -484,7 +480,7 @@ def _reset_default_device(_: object) -> str:
 def _check_modes() -> list[Finding]:
     findings = []
     for mode in _stack.modes_innermost_first():
-        if isinstance(mode, torch.utils._device.DeviceContext):
+        if isinstance(mode, _torch.DeviceContext):
             continue  # reported as a default device
 
         def pop(_: object, m=mode) -> str:

@@ -20,12 +20,11 @@ import warnings
 
 import torch
 from torch import Tensor
-from torch._C import DisableTorchFunction
 from torch.nn import Parameter
-from torch.nn.modules import module as _torch_module
 
 from metamode._modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
 from metamode._stack import stack_depth
+from metamode._torch import DisableTorchFunction, registration_hooks
 
 __all__ = ["installed"]
 
@@ -97,8 +96,9 @@ def _on_buffer_registered(module, name, tensor):
     return context.place_buffer(tensor)
 
 
-_on_parameter_registered.__metamode_hook__ = True
-_on_buffer_registered.__metamode_hook__ = True
+# A function attribute marks them, so a second copy of the package finds them.
+_on_parameter_registered.__metamode_hook__ = True  # type: ignore[attr-defined]
+_on_buffer_registered.__metamode_hook__ = True  # type: ignore[attr-defined]
 
 
 def _already_installed(hooks: dict) -> bool:
@@ -108,19 +108,19 @@ def _already_installed(hooks: dict) -> bool:
 def _install() -> None:
     # Re-importing this module (importlib.reload, a second copy of the package)
     # must not stack a second pair of hooks.
-    if not _already_installed(_torch_module._global_parameter_registration_hooks):
+    if not _already_installed(registration_hooks("parameter")):
         torch.nn.modules.module.register_module_parameter_registration_hook(
             _on_parameter_registered
         )
-    if not _already_installed(_torch_module._global_buffer_registration_hooks):
+    if not _already_installed(registration_hooks("buffer")):
         torch.nn.modules.module.register_module_buffer_registration_hook(_on_buffer_registered)
 
 
 def installed() -> bool:
     """True if this process has metamode's registration hooks (it always should)."""
-    return _already_installed(
-        _torch_module._global_parameter_registration_hooks
-    ) and _already_installed(_torch_module._global_buffer_registration_hooks)
+    return _already_installed(registration_hooks("parameter")) and _already_installed(
+        registration_hooks("buffer")
+    )
 
 
 _install()

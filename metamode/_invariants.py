@@ -10,13 +10,13 @@ after is how the test suite proves that metamode leaves nothing behind.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.utils._device
-from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _known_changes  # noqa: F401  (hooks before any snapshot)
+from metamode import _hooks, _known_changes, _torch  # noqa: F401  (hooks before any snapshot)
 from metamode._stack import stack_depth
 
 __all__ = ["Snapshot", "snapshot", "FACTORY_NAMES"]
@@ -26,12 +26,6 @@ FACTORY_NAMES = (
     "linspace", "logspace", "eye", "tensor", "as_tensor", "empty_like", "zeros_like",
     "ones_like", "full_like", "rand_like", "randn_like", "empty_strided",
 )  # fmt: skip
-
-_HOOK_DICTS = (
-    "_global_parameter_registration_hooks",
-    "_global_buffer_registration_hooks",
-    "_global_module_registration_hooks",
-)
 
 
 @dataclass(frozen=True)
@@ -64,9 +58,9 @@ class Snapshot:
                         else "removed"
                     )
                     changes.append(f"{label}.{name} {verb}")
-        for name in _HOOK_DICTS:
+        for name in before.hooks:
             if before.hooks[name] != self.hooks[name]:
-                changes.append(f"torch.nn.modules.module.{name} changed")
+                changes.append(f"{name} changed")
         if before.default_dtype != self.default_dtype:
             changes.append(f"default dtype {before.default_dtype} -> {self.default_dtype}")
         if before.device_context != self.device_context:
@@ -97,16 +91,16 @@ def _identities(owner: object, names=None) -> dict[str, int]:
 
 def snapshot() -> Snapshot:
     """Record the global torch state (identities, not copies: cheap)."""
-    device_context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    device_context = _torch.global_device_context()
     return Snapshot(
         module_attrs=_identities(torch.nn.Module),
         init_functions=_identities(torch.nn.init),
         factories=_identities(torch, FACTORY_NAMES),
         tensor_methods=_identities(torch.Tensor),
-        hooks={name: tuple(getattr(_torch_module, name)) for name in _HOOK_DICTS},
+        hooks={name: tuple(hooks) for name, hooks in _torch.all_registration_hooks().items()},
         default_dtype=torch.get_default_dtype(),
         device_context=(
-            torch.utils._device.CURRENT_DEVICE,
+            _torch.current_device(),
             None if device_context is None else device_context.device,
         ),
         mode_stack_depth=stack_depth(),

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
-from torch.utils._device import _device_constructors
+from torch.overrides import TorchFunctionMode
 
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
 from metamode._skippable import skipped_target
 from metamode._trace import Trace
+from metamode._torch import device_constructors, pop_mode, push_mode
 
 __all__ = [
     "ContextMisuseError",
@@ -153,11 +153,11 @@ class ThreadScopedMode(TorchFunctionMode):
         self._owner = threading.get_ident()
         self._owner_name = threading.current_thread().name
         self._state = _ENTERED
-        _push_mode(self)
+        push_mode(self)
         try:
             self._after_enter()
         except BaseException:
-            _pop_mode()
+            pop_mode()
             self._state = _EXITED
             raise
         return self
@@ -179,7 +179,7 @@ class ThreadScopedMode(TorchFunctionMode):
         self._state = _EXITED
         self._before_exit()
         if _stack.top() is self:
-            _pop_mode()
+            pop_mode()
             return
         # Out of order: something entered after us is still open. Take only
         # ourselves off the stack so nothing leaks, keep the newer contexts
@@ -334,7 +334,7 @@ class EmptyWeights(ThreadScopedMode):
         return self._run(func, args, kwargs)
 
     def _run(self, func, args, kwargs):
-        if self.include_buffers and kwargs.get("device") is None and func in _device_constructors():
+        if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
             kwargs["device"] = self.device
         elif self._skip_init:
             target = skipped_target(func, args, kwargs)
@@ -455,7 +455,8 @@ def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
     )
 
 
-# Contexts need torch's registration hooks: whatever imports the modes (the
-# public API, the IPython magic, the shims) installs them. At the end: _hooks
-# imports this module.
+
+# Installs the registration hooks. Here, in the module every context class comes
+# from, so the hooks are in place before any context can be entered; at the end,
+# because metamode._hooks imports active_empty_weights from this module.
 from metamode import _hooks  # noqa: E402, F401

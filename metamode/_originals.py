@@ -45,11 +45,14 @@ import os
 import sys
 import types
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FunctionType, ModuleType
+from typing import Any
 
 import torch
+
+from metamode._torch import VariableFunctions
 
 __all__ = [
     "FunctionSlot",
@@ -107,7 +110,7 @@ def describe(obj: object) -> str:
 
 def builtin_original(name: str) -> object | None:
     """torch's own C function ``torch.<name>``, from ``torch._C._VariableFunctions``."""
-    return getattr(torch._C._VariableFunctions, name, None)
+    return getattr(VariableFunctions, name, None)
 
 
 # -- Python functions ---------------------------------------------------------
@@ -340,6 +343,7 @@ def _source_matches(slot: FunctionSlot, tree: ast.Module) -> bool:
     upgrade of torch in place, under a running process, fails this.
     """
     outer, _, _ = slot.qualname.rpartition(".")
+    values: Mapping[str, Any]
     if outer:
         node = _class_node(tree, outer)
         namespace = getattr(slot.home, outer, None)
@@ -349,12 +353,12 @@ def _source_matches(slot: FunctionSlot, tree: ast.Module) -> bool:
     else:
         defs, values, prefix = _defs(tree.body), vars(slot.home), ""
     checked = 0
-    for name, node in defs.items():
+    for name, definition in defs.items():
         value = values.get(name)
         sibling = FunctionSlot(slot.home, prefix + name)
         if value is None or sibling == slot or not sibling.is_original(value):
             continue
-        if inspect.unwrap(value).__code__.co_firstlineno != _first_line(node):
+        if inspect.unwrap(value).__code__.co_firstlineno != _first_line(definition):
             return False
         checked += 1
     return checked > 0
@@ -381,7 +385,8 @@ def _rebuild_from_source(slot: FunctionSlot) -> FunctionType | None:
             for alias in stmt.names:
                 feature = getattr(__import__("__future__"), alias.name, None)
                 flags |= getattr(feature, "compiler_flag", 0)
-    code = compile(module_ast, slot.home.__file__, "exec", flags=flags, dont_inherit=True)
+    filename = slot.home.__file__ or f"<{slot.home.__name__}>"
+    code = compile(module_ast, filename, "exec", flags=flags, dont_inherit=True)
     scratch: dict[str, object] = {}
     # Globals are the module's own dict, so the function resolves names
     # exactly like the original; locals are a scratch dict, so nothing in the

@@ -19,6 +19,8 @@ import torch
 from torch.nn import Parameter
 from torch.nn.parameter import UninitializedTensorMixin
 
+from metamode._torch import make_subclass
+
 __all__ = ["moved_parameter", "moved_tensor"]
 
 
@@ -53,7 +55,9 @@ def _uninitialised_on(tensor, device: torch.device):
     return moved
 
 
-def _rebuilt_subclass(cls: type, data: torch.Tensor, requires_grad: bool, attributes: dict):
+def _rebuilt_subclass(
+    cls: type[Parameter], data: torch.Tensor, requires_grad: bool, attributes: dict
+) -> Parameter:
     # A third-party constructor refusing arguments it does not know may raise
     # anything (TypeError, ValueError, KeyError, an assert...): both attempts
     # are only attempts, and the last resort below needs no constructor. If
@@ -69,7 +73,7 @@ def _rebuilt_subclass(cls: type, data: torch.Tensor, requires_grad: bool, attrib
             refusals.append(refusal)
     if moved is None or type(moved) is not cls or moved.device != data.device:
         try:
-            moved = torch.Tensor._make_subclass(cls, data, requires_grad)
+            moved = make_subclass(cls, data, requires_grad)
         except Exception as error:
             raise TypeError(
                 f"cannot rebuild a {cls.__qualname__} on {data.device}: its constructor "

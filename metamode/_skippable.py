@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from metamode._torch import default_torch_function
+
 __all__ = ["POINTLESS_ON_META", "bound_in_nn_init", "skipped_target"]
 
 _INIT_FUNCTIONS = (
@@ -100,8 +102,8 @@ POINTLESS_ON_META: frozenset[Any] = frozenset(
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _DEFAULT_TORCH_FUNCTIONS = (
-    torch._C._disabled_torch_function_impl,
-    torch.Tensor.__torch_function__.__func__,
+    default_torch_function,
+    vars(torch.Tensor)["__torch_function__"].__func__,
 )
 # subclass -> whether it keeps the default __torch_function__; weak, so classes
 # made on the fly are not kept alive by this cache.
@@ -123,7 +125,7 @@ def dispatches_plainly(cls: type) -> bool:
         return True
     plain = _SUBCLASS_IS_PLAIN.get(cls)
     if plain is None:
-        handler = cls.__torch_function__
+        handler = getattr(cls, "__torch_function__", None)
         plain = getattr(handler, "__func__", handler) in _DEFAULT_TORCH_FUNCTIONS
         _SUBCLASS_IS_PLAIN[cls] = plain
     return plain

@@ -3,26 +3,26 @@
 PyTorch keeps one stack of ``TorchFunctionMode`` objects per thread. metamode
 keeps *all* of its state there: a context is active in a thread exactly when
 its mode object sits on that thread's stack. These helpers are the only place
-that walks the stack, so the rest of the package never touches torch's private
-stack API directly.
+that walks the stack; torch's private stack API comes from :mod:`metamode._torch`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from torch._C import _get_function_stack_at, _len_torch_function_stack
-from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode
+
+from metamode._torch import mode_at, mode_stack_depth, pop_mode, push_mode
 
 __all__ = ["innermost", "modes_innermost_first", "remove", "stack_depth", "top"]
 
-stack_depth = _len_torch_function_stack
+stack_depth = mode_stack_depth
 
 
 def modes_innermost_first() -> Iterator[TorchFunctionMode]:
     """Yield this thread's modes from the most recently entered one down."""
-    for index in range(_len_torch_function_stack() - 1, -1, -1):
-        yield _get_function_stack_at(index)
+    for index in range(mode_stack_depth() - 1, -1, -1):
+        yield mode_at(index)
 
 
 def innermost(kinds: type | tuple[type, ...], skip_inert: bool = False) -> TorchFunctionMode | None:
@@ -34,17 +34,17 @@ def innermost(kinds: type | tuple[type, ...], skip_inert: bool = False) -> Torch
     This runs on every parameter registration while any mode is active, so the
     common case -- an empty stack -- costs one C call.
     """
-    depth = _len_torch_function_stack()
+    depth = mode_stack_depth()
     for index in range(depth - 1, -1, -1):
-        mode = _get_function_stack_at(index)
+        mode = mode_at(index)
         if isinstance(mode, kinds) and not (skip_inert and mode._inert):
             return mode
     return None
 
 
 def top() -> TorchFunctionMode | None:
-    depth = _len_torch_function_stack()
-    return _get_function_stack_at(depth - 1) if depth else None
+    depth = mode_stack_depth()
+    return mode_at(depth - 1) if depth else None
 
 
 def remove(mode: TorchFunctionMode) -> bool:
@@ -56,12 +56,12 @@ def remove(mode: TorchFunctionMode) -> bool:
     """
     above: list[TorchFunctionMode] = []
     found = False
-    while _len_torch_function_stack():
-        popped = _pop_mode()
+    while mode_stack_depth():
+        popped = pop_mode()
         if popped is mode:
             found = True
             break
         above.append(popped)
     for popped in reversed(above):
-        _push_mode(popped)
+        push_mode(popped)
     return found

@@ -35,10 +35,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.overrides import _pop_mode
-
 from metamode._invariants import snapshot
-from metamode._stack import modes_innermost_first, stack_depth
+from metamode._stack import modes_innermost_first, remove, stack_depth
 
 __all__ = ["HammerFailure", "HammerReport", "hammer"]
 
@@ -201,8 +199,8 @@ def hammer(
                         f"{left!r}",
                     )
                 )
-                for _ in left:
-                    _pop_mode()
+                for mode in left:
+                    remove(mode)
             with lock:
                 calls[0] += 1
             try:

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import metamode  # noqa: F401  (hooks are installed before the first snapshot)
+import metamode._modes  # noqa: F401  (the core: hooks are installed before the first snapshot)
 from metamode._invariants import snapshot
 
 

@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import metamode
-from metamode import _bench
-from metamode._bench_workloads import TorchLM, describe
+from metamode.lab import bench as _bench
+from metamode.lab.workloads import TorchLM, describe
 from tests.conftest import run_python
 
 # aten ops that only write values (what the skip avoids on meta tensors)
@@ -130,7 +130,7 @@ _LIBRARY_CHECK = textwrap.dedent(
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     import metamode
-    from metamode._bench_workloads import LLAMA_SHAPES, describe, _lora_config
+    from metamode.lab.workloads import LLAMA_SHAPES, describe, _lora_config
 
     def llama(**overrides):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,7 +138,7 @@ _LIBRARY_CHECK = textwrap.dedent(
 
     def unet():
         from diffusers import UNet2DConditionModel
-        from metamode._bench_workloads import SDXL_UNET_TINY
+        from metamode.lab.workloads import SDXL_UNET_TINY
         return UNet2DConditionModel(**SDXL_UNET_TINY)
 
     cases = {
@@ -191,6 +191,7 @@ _LIBRARY_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_skipped_init_builds_exactly_the_plain_model_transformers_diffusers_peft():
     # A subprocess: transformers' first init adds torch.nn.Module.smart_apply,
     # a global change the suite's guard would (rightly) report.
@@ -365,6 +366,7 @@ def test_without_optional_packages_the_pure_torch_workload_still_runs():
 # -- the command ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_quick_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

@@ -18,13 +18,9 @@ from torch import nn
 import metamode
 from metamode import ContextMisuseError
 from metamode._default_dtype import DefaultDtype
+from metamode.lab.threads import wait
 
-_WAIT_S = 30.0  # a guard against hanging on a bug, never used for ordering
 DTYPES = (torch.float16, torch.bfloat16, torch.float64)
-
-
-def _wait(event: threading.Event) -> None:
-    assert event.wait(_WAIT_S), "deadlocked"
 
 
 # name -> call. Integer/bool inputs must stay integer/bool; floating ones follow.
@@ -204,7 +200,7 @@ def test_other_threads_keep_their_own_default():
     other: dict[str, torch.dtype] = {}
 
     def bystander() -> None:
-        _wait(inside)
+        wait(inside)
         try:
             other["plain"] = torch.zeros(1).dtype
             other["linear"] = nn.Linear(2, 2).weight.dtype
@@ -217,7 +213,7 @@ def test_other_threads_keep_their_own_default():
     thread.start()
     with metamode.default_dtype(torch.float16):
         inside.set()
-        _wait(done)  # the bystander ran entirely while this context was active
+        wait(done)  # the bystander ran entirely while this context was active
         mine = torch.zeros(1).dtype
     thread.join()
     assert mine == torch.float16

@@ -11,15 +11,14 @@ LoRA weights -- goes through ``register_parameter`` and lands every LoRA weight 
 uninitialised memory, so inference silently produces garbage (often NaN) forever after.
 
 The pipelines are tiny SDXL-architecture models built from in-code configs
-(``metamode._tiny_sdxl``): no downloads, milliseconds per step on a CPU. Concurrency is
+(``metamode.lab.tiny_sdxl``): no downloads, milliseconds per step on a CPU. Concurrency is
 driven by a Barrier plus Events that force the leaking interleaving on every run (see
-``_tiny_sdxl._ForcedOverlap``); nothing sleeps to synchronise.
+``tiny_sdxl._ForcedOverlap``); nothing sleeps to synchronise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import peft.tuners.tuners_utils as tuners_utils
 import pytest
@@ -31,14 +30,14 @@ from diffusers.utils import logging as diffusers_logging
 from torch import nn
 
 import metamode
-from metamode import _tiny_sdxl as tiny
+from metamode.lab import tiny_sdxl as tiny
 from tests.conftest import run_python
 
 SEEDS = (0, 1)
 
 # Runs against *stock* PEFT in a fresh interpreter, because the leak corrupts the process.
-# _tiny_sdxl is loaded by file path so that ``metamode`` (and its registration hooks) is
-# never imported there: what corrupts is diffusers + PEFT alone.
+# metamode.lab imports no metamode core, so its registration hooks are never installed
+# there: what corrupts is diffusers + PEFT alone.
 _STOCK_SCRIPT = """
 import importlib.util, json, sys, warnings
 import torch
@@ -46,9 +45,7 @@ from torch import nn
 
 TORCHS_REGISTER_PARAMETER = vars(nn.Module)["register_parameter"]
 torch.set_num_threads(1)  # see one_intra_op_thread in tests/conftest.py
-spec = importlib.util.spec_from_file_location("_tiny_sdxl", TINY_SDXL_PATH)
-tiny = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tiny)
+from metamode.lab import core_imported, tiny_sdxl as tiny
 from diffusers.utils import logging
 logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
@@ -69,7 +66,7 @@ for r in range(ROUNDS):
 
 got = [tiny.run_latents(p, seed=s) for p, s in zip(pipes, seeds)]
 print(json.dumps({
-    "metamode_imported": "metamode" in sys.modules,
+    "metamode_imported": core_imported(),
     "register_parameter_is_torchs": vars(nn.Module)["register_parameter"]
         is TORCHS_REGISTER_PARAMETER,
     "lora_params_meta_total": [list(tiny.lora_parameters_on_meta(p)) for p in pipes],
@@ -87,6 +84,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
     # One intra-op thread for tiny models: see tests/conftest.py.
     pytest.mark.usefixtures("one_intra_op_thread"),
+    pytest.mark.slow,
 ]
 
 
@@ -132,7 +130,7 @@ def test_stock_peft_concurrent_load_lora_corrupts() -> None:
     likely but not certain (measured: 86 of 100 rounds, 1 us switch interval).
     """
     rounds = 3
-    script = f"TINY_SDXL_PATH = {str(Path(tiny.__file__))!r}\nROUNDS = {rounds}\n" + _STOCK_SCRIPT
+    script = f"ROUNDS = {rounds}\n" + _STOCK_SCRIPT
     result = run_python(script, timeout=240)
 
     # Garbage from uninitialised memory: usually NaN/inf, but may happen to be finite,

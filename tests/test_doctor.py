@@ -1,7 +1,7 @@
 """metamode.doctor(): finds and repairs what other libraries leave in torch.
 
 The corrupting runs happen in one subprocess (they corrupt its interpreter):
-first stock PEFT's overlap reproducer, loaded *without* importing metamode,
+first stock PEFT's overlap reproducer, run before metamode's core is imported,
 so the doctor must recognise torch's originals by where they are defined,
 not by a snapshot; then one leftover of every other kind. The in-process
 tests corrupt only what they restore themselves, and the suite's guard
@@ -19,7 +19,7 @@ from metamode import _doctor
 from tests.conftest import run_python
 
 CORRUPT_THEN_DOCTOR = r"""
-import importlib.util, json, sys, threading, types
+import json, sys, threading, types
 
 def as_json(report):
     return {
@@ -40,13 +40,10 @@ def linear_devices():
     thread.start(); thread.join()
     return [str(nn.Linear(2, 2).weight.device), other["d"]]
 
-# --- 1. stock PEFT's overlap reproducer, metamode not imported -------------------
-location = importlib.util.find_spec("metamode").submodule_search_locations[0]
-spec = importlib.util.spec_from_file_location("stock_scenarios", location + "/_scenarios.py")
-stock = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(stock)
+# --- 1. stock PEFT's overlap reproducer, metamode's core not imported ------------
+from metamode.lab import core_imported, scenarios as stock
 overlap = stock.overlap("stock-peft")
-out = {"overlap": overlap, "metamode_imported_before": "metamode" in sys.modules}
+out = {"overlap": overlap, "metamode_imported_before": core_imported()}
 torch_register_parameter = stock._TORCH_REGISTER_PARAMETER  # only to verify the repair
 
 import metamode
@@ -139,6 +136,7 @@ def _finding(report: dict, target: str) -> dict:
 
 # `corrupted` leaves transformers.initialization (5.x only) among its leftovers.
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_stock_peft_reproducer_corrupts_the_process_before_metamode_is_imported(corrupted):
     assert corrupted["metamode_imported_before"] is False
     assert corrupted["overlap"]["corrupted"] is True
@@ -146,6 +144,7 @@ def test_stock_peft_reproducer_corrupts_the_process_before_metamode_is_imported(
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_doctor_finds_the_leaked_patch_and_names_peft(corrupted):
     found = corrupted["stock_found"]
     assert found["ok"] is False
@@ -159,6 +158,7 @@ def test_doctor_finds_the_leaked_patch_and_names_peft(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_doctor_repair_restores_torchs_own_register_parameter(corrupted):
     repair = corrupted["stock_repair"]
     assert [f["repaired"] for f in repair["findings"]] == [True]
@@ -173,6 +173,7 @@ def test_doctor_repair_restores_torchs_own_register_parameter(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_doctor_finds_every_kind_of_leftover(corrupted):
     targets = _targets(corrupted["sink_found"])
     expected = {
@@ -198,6 +199,7 @@ def test_doctor_finds_every_kind_of_leftover(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_each_finding_names_its_culprit(corrupted):
     found = corrupted["sink_found"]
     culprits = {
@@ -216,6 +218,7 @@ def test_each_finding_names_its_culprit(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_repair_fixes_everything_and_a_second_look_finds_nothing(corrupted):
     repair = corrupted["sink_repair"]
     assert [f["target"] for f in repair["findings"] if not f["repaired"]] == []
@@ -230,6 +233,7 @@ def test_repair_fixes_everything_and_a_second_look_finds_nothing(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_repair_puts_back_the_original_objects_where_they_survive(corrupted):
     assert corrupted["sink_checks"]["identities"] == dict.fromkeys(
         corrupted["sink_checks"]["identities"], True
@@ -240,6 +244,7 @@ def test_repair_puts_back_the_original_objects_where_they_survive(corrupted):
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 def test_repair_recompiles_a_method_nothing_references_any_more(corrupted):
     action = _finding(corrupted["sink_repair"], "torch.nn.Module.register_module")["action"]
     assert "recompiled from" in action and "module.py" in action

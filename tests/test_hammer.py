@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import metamode
-from metamode._scenarios import TinyAttentionBlock
+from metamode.lab.scenarios import TinyAttentionBlock
 from metamode.testing import HammerReport, hammer
 from tests.conftest import run_python
 
 STOCK_THEN_SHIM = r"""
 import itertools, json, threading
 import metamode
-from metamode._scenarios import _inject, check_injected, TinyAttentionBlock
+from metamode.lab.scenarios import _inject, check_injected, TinyAttentionBlock
 from metamode.testing import hammer
 
 calls = itertools.count()
@@ -55,6 +55,7 @@ def peft_runs() -> dict:
     return run_python(STOCK_THEN_SHIM)
 
 
+@pytest.mark.slow
 def test_hammer_catches_stock_peft_race(peft_runs):
     stock = peft_runs["stock"]
     assert stock["ok"] is False
@@ -70,6 +71,7 @@ def test_hammer_catches_stock_peft_race(peft_runs):
     assert "FAILED" in stock["text"]
 
 
+@pytest.mark.slow
 def test_hammer_passes_peft_through_metamode(peft_runs):
     shim = peft_runs["shim"]
     assert shim["ok"] is True, shim["text"]

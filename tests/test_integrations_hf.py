@@ -43,10 +43,11 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 import metamode
 from metamode.integrations import _enable_all
+from metamode.lab.scenarios import run_rounds
+from metamode.lab.threads import WAIT_S, run_threads, wait
 from tests.conftest import run_python
 
 REPO = Path(__file__).resolve().parents[1]
-_WAIT_S = 60.0  # a guard against hanging on a bug, never used for ordering
 _FREE_BUILDS_PER_ROUND = 20
 _TORCHS_CONSTANT_ = nn.init.constant_
 UNET_CONFIG: dict[str, Any] = {
@@ -64,11 +65,6 @@ UNET_CONFIG: dict[str, Any] = {
 
 
 # -- the scenario (also run in subprocesses against stock libraries) ---------------
-
-
-def _wait(event: threading.Event, what: str) -> None:
-    if not event.wait(_WAIT_S):
-        raise TimeoutError(f"scenario deadlocked waiting for {what}")
 
 
 class _Gates:
@@ -153,14 +149,6 @@ class _Bystander:
             self.problems.append(text)
 
 
-def _torch_globals() -> dict[str, Any]:
-    return {
-        "register_parameter": vars(nn.Module)["register_parameter"],
-        "register_buffer": vars(nn.Module)["register_buffer"],
-        **{f"init.{name}": getattr(nn.init, name) for name in dir(nn.init) if name[0] != "_"},
-    }
-
-
 def _differences(model: nn.Module, reference: dict[str, torch.Tensor]) -> list[str]:
     state = model.state_dict()
     if state.keys() != reference.keys():
@@ -196,7 +184,6 @@ def unet_race(
     from diffusers.utils import logging
 
     logging.set_verbosity_error()
-    original = _torch_globals()
     load = functools.partial(
         UNet2DConditionModel.from_pretrained, checkpoint, low_cpu_mem_usage=low_cpu_mem_usage
     )
@@ -204,10 +191,8 @@ def unet_race(
     reference = {k: v.clone() for k, v in sequential.state_dict().items()}
     bystander = _Bystander()
     inside: list[bool] = []
-    corrupted: list[int] = []
-    first_problems: list[str] = []
-    round_index = -1
-    for round_index in range(rounds):
+
+    def one_round(round_index: int) -> list[str]:
         if forced:
             with _Gates() as gates:
                 models, errors = _forced_round(load, bystander, round_index, gates, inside)
@@ -216,20 +201,13 @@ def unet_race(
         problems = list(errors)
         for name, model in sorted(models.items()):
             problems += [f"{name} model: {text}" for text in _differences(model, reference)[:3]]
-        leaked = [name for name, obj in _torch_globals().items() if original.get(name) is not obj]
-        problems += [f"{name} left replaced" for name in leaked]
-        fresh = nn.Linear(2, 2).weight.device.type
-        if fresh != "cpu":
-            problems.append(f"a new Linear in the main thread is on {fresh}")
-        if problems:
-            corrupted.append(round_index)
-            first_problems = first_problems or problems[:6]
-            if stop_at_first_corruption:
-                break
+        return problems
+
+    summary = run_rounds(rounds, one_round, stop_at_first_corruption)
     return {
-        "rounds_run": round_index + 1,
-        "corrupted_rounds": len(corrupted),
-        "first_problems": first_problems,
+        "rounds_run": summary["rounds_run"],
+        "corrupted_rounds": summary["corrupted_rounds"],
+        "first_problems": summary["first_problems"],
         "gates_inside_load_contexts": f"{sum(inside)}/{len(inside)}",
         "bystander_builds": bystander.builds,
         "bystander_failed_builds": bystander.failed,
@@ -250,14 +228,6 @@ def _inside_load_contexts() -> bool:
     return nn.init.constant_ is not _TORCHS_CONSTANT_
 
 
-def _run_threads(targets) -> None:
-    threads = [threading.Thread(target=target) for target in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
 def _forced_round(load_model, bystander, round_index, gates, inside):
     first_in, second_in, looked = threading.Event(), threading.Event(), threading.Event()
     first_done, second_done = threading.Event(), threading.Event()
@@ -272,7 +242,7 @@ def _forced_round(load_model, bystander, round_index, gates, inside):
         def gate() -> None:
             inside.append(_inside_load_contexts())
             entered.set()
-            _wait(waits_for, "the other threads")
+            wait(waits_for, "the other threads")
 
         try:
             gates.arm(gate)
@@ -285,13 +255,13 @@ def _forced_round(load_model, bystander, round_index, gates, inside):
             done.set()
 
     def second() -> None:
-        _wait(first_in, "the first loader to enter")
+        wait(first_in, "the first loader to enter")
         load("second", second_in, second_waits_for, second_done)
 
     def watch() -> None:
         # One build at the forced point (both loads inside their contexts),
         # then free-running builds while the loads finish.
-        _wait(second_in, "the second loader to enter")
+        wait(second_in, "the second loader to enter")
         try:
             bystander.build()
         finally:
@@ -301,7 +271,7 @@ def _forced_round(load_model, bystander, round_index, gates, inside):
                 break
             bystander.build()
 
-    _run_threads([lambda: load("first", first_in, first_waits_for, first_done), second, watch])
+    run_threads([lambda: load("first", first_in, first_waits_for, first_done), second, watch])
     return models, errors
 
 
@@ -313,7 +283,7 @@ def _free_round(load_model, bystander):
 
     def load(index: int) -> None:
         try:
-            start.wait(_WAIT_S)
+            start.wait(WAIT_S)
             models[str(index)] = load_model()
         except BaseException as error:
             errors.append(f"{index}: {type(error).__name__}: {error}")
@@ -321,13 +291,13 @@ def _free_round(load_model, bystander):
             done[index].set()
 
     def watch() -> None:
-        start.wait(_WAIT_S)
+        start.wait(WAIT_S)
         for _ in range(_FREE_BUILDS_PER_ROUND):
             if all(event.is_set() for event in done):
                 break
             bystander.build()
 
-    _run_threads([lambda: load(0), lambda: load(1), watch])
+    run_threads([lambda: load(0), lambda: load(1), watch])
     return models, errors
 
 
@@ -375,6 +345,7 @@ def all_shims() -> Iterator[dict[str, tuple[str, ...]]]:
 # -- diffusers ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stock_diffusers_concurrent_loads_corrupt_the_process(unet_checkpoint):
     result = run_python(
         _SUBPROCESS.format(repo=str(REPO), enable=False, checkpoint=unet_checkpoint, rounds=5)
@@ -410,6 +381,7 @@ def _assert_clean(result: dict[str, Any], rounds: int, forced: bool) -> None:
     assert builds >= rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("low_cpu_mem_usage", "rounds"), [(True, 50), (False, 10)])
 def test_after_metamode_enable_forced_rounds_leak_nothing(
     unet_checkpoint, all_shims, low_cpu_mem_usage, rounds
@@ -420,6 +392,7 @@ def test_after_metamode_enable_forced_rounds_leak_nothing(
     _assert_clean(result, rounds, forced=True)
 
 
+@pytest.mark.slow
 def test_after_metamode_enable_free_running_rounds_leak_nothing(unet_checkpoint, all_shims):
     """Stress: no forced order, a 1 µs switch interval (stock corrupts ~every round)."""
     interval = sys.getswitchinterval()
@@ -558,7 +531,7 @@ def test_transformers_linspace_context_is_thread_scoped():
         seen: dict[str, str] = {}
 
         def elsewhere() -> None:
-            _wait(inside, "the main thread's context")
+            wait(inside, "the main thread's context")
             with torch.device("meta"):
                 seen["other thread"] = torch.linspace(0, 1, 3).device.type
             other.set()
@@ -569,7 +542,7 @@ def test_transformers_linspace_context_is_thread_scoped():
             assert isinstance(context, LinspaceOnCpu)
             assert torch.linspace is linspace, "torch.linspace is never reassigned"
             inside.set()
-            _wait(other, "the other thread")
+            wait(other, "the other thread")
             seen["linspace"] = torch.linspace(0, 1, 3).device.type
             seen["explicit"] = torch.linspace(0, 1, 3, device="meta").device.type
             seen["arange"] = torch.arange(3).device.type
@@ -643,7 +616,7 @@ def llama_race(directory: str) -> dict[str, Any]:
     def load(dtype, entered, waits_for, gates) -> None:
         def gate() -> None:
             entered.set()
-            _wait(waits_for, "the other loader")
+            wait(waits_for, "the other loader")
 
         gates.arm(gate)
         try:
@@ -654,11 +627,11 @@ def llama_race(directory: str) -> dict[str, Any]:
                 a_done.set()
 
     def b(gates) -> None:
-        _wait(a_in, "A to enter")
+        wait(a_in, "A to enter")
         load(torch.float32, b_in, a_done, gates)
 
     with _Gates() as gates:
-        _run_threads([lambda: load(torch.float16, a_in, b_in, gates), lambda: b(gates)])
+        run_threads([lambda: load(torch.float16, a_in, b_in, gates), lambda: b(gates)])
     later = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return {
         "float16_model_differs": _differs(models[torch.float16], sequential[torch.float16])[:2],
@@ -688,6 +661,7 @@ def xglm_buffer_dtypes() -> dict[str, str]:
 
 
 @pytest.mark.requires_transformers_5
+@pytest.mark.slow
 @pytest.mark.parametrize("enable", [False, True], ids=["stock", "metamode.enable"])
 def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
     """Stock corrupts; metamode's shim fixes ``torch.linspace`` only (documented limits)."""

@@ -50,6 +50,8 @@ CELLS = {
 }
 TAGGED = {"bad_device", "raises_tagged"}  # errors allowed: nbclient goes on
 
+pytestmark = pytest.mark.slow  # every test reads one notebook run in a kernel
+
 
 @pytest.fixture(scope="module")
 def executed() -> dict:

@@ -11,14 +11,15 @@ kernelspec written for the test run, not the ``python3`` spec found on the
 machine: that one says ``python`` and would run whatever interpreter is first
 on ``PATH``, possibly one without the code under test.
 
-Committed notebooks carry no outputs (``python notebooks/_strip.py``): outputs
-hold timings and plots that change each run and would go stale silently.
+Committed notebooks carry no outputs (``nbstripout``, with the flags in
+``NBSTRIPOUT`` below): outputs hold timings and plots that change each run and
+would go stale silently.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,13 +35,17 @@ KERNEL_NAME = "metamode-under-test"
 CELL_TIMEOUT_S = 300  # a guard against a hung cell; each notebook takes well under a minute
 
 
-def _load_strip_tool():
-    # notebooks/ is not a package; load the committed tool itself so the test
-    # enforces exactly what `python notebooks/_strip.py` produces.
-    spec = importlib.util.spec_from_file_location("_nbstrip", NOTEBOOK_DIR / "_strip.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# The README's strip command. Besides outputs and execution counts, it drops what a
+# run records about the machine (run metadata, the Python version) and keeps the
+# committed cell ids.
+NBSTRIPOUT = [
+    "nbstripout",
+    "--keep-id",
+    "--extra-keys",
+    "metadata.language_info.codemirror_mode metadata.language_info.file_extension "
+    "metadata.language_info.mimetype metadata.language_info.nbconvert_exporter "
+    "metadata.language_info.pygments_lexer metadata.language_info.version",
+]
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +88,7 @@ def test_there_are_notebooks_to_run() -> None:
     assert len(NOTEBOOKS) >= 4, NOTEBOOKS
 
 
+@pytest.mark.slow
 def test_kernel_runs_this_interpreter(kernel_specs: KernelSpecManager) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
@@ -97,13 +103,17 @@ def test_notebook_is_committed_stripped(path: Path) -> None:
     for cell in notebook.cells:
         where = f"{path.name} cell {cell.id}"
         if cell.cell_type == "code":
-            assert cell.outputs == [], f"{where} has outputs: run python notebooks/_strip.py"
+            assert cell.outputs == [], f"{where} has outputs: run nbstripout (see README)"
             assert cell.execution_count is None, f"{where} has an execution count"
         tags = cell.metadata.get("tags", [])
         assert "raises-exception" not in tags, f"{where} may fail; notebooks must run cleanly"
-    assert _load_strip_tool().is_stripped(notebook), f"run python notebooks/_strip.py {path}"
+    verify = subprocess.run(
+        [sys.executable, "-m", *NBSTRIPOUT, "--verify", str(path)], capture_output=True, text=True
+    )
+    assert verify.returncode == 0, f"{verify.stdout}{verify.stderr}run nbstripout (see README)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path, kernel_specs: KernelSpecManager) -> None:
     before = notebook_dir_listing()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import metamode
-from metamode._scenarios import TinyAttentionBlock
+from metamode.lab.scenarios import TinyAttentionBlock
 from tests.conftest import run_python
 
 NAMES = ("init_empty_weights", "_init_on_device", "_skip_init_on_device")
@@ -108,6 +108,7 @@ def test_peft_without_the_expected_names_is_refused_and_nothing_changes(integrat
     assert peft.tuners.tuners_utils.init_empty_weights is original
 
 
+@pytest.mark.slow
 def test_modules_imported_after_enable_get_the_shim_and_are_restored():
     result = run_python(
         """
@@ -124,6 +125,7 @@ print(json.dumps([during, layer._skip_init_on_device.__module__]))
     assert result == ["metamode.integrations._peft", "peft.utils.integrations"]
 
 
+@pytest.mark.slow
 def test_missing_peft_names_the_extra():
     result = run_python(
         """

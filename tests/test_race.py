@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import metamode
-from metamode import _scenarios
+from metamode.lab import scenarios
 from tests.conftest import run_python
 
 FIXED = {
@@ -25,8 +25,9 @@ FIXED = {
 }
 
 
+@pytest.mark.slow
 def test_stock_peft_corrupts_the_process():
-    result = run_python("from metamode._scenarios import main; main(['overlap', 'stock-peft'])")
+    result = run_python("from metamode.lab.scenarios import main; main(['overlap', 'stock-peft'])")
     assert result == {
         "live_context_linear": "cpu",  # (1) the live context lost its patch
         "register_parameter_is_torchs": False,  # (2) the wrapper outlived both contexts
@@ -37,7 +38,7 @@ def test_stock_peft_corrupts_the_process():
 
 
 def test_metamode_contexts_overlap_safely():
-    assert _scenarios.overlap("metamode") == FIXED
+    assert scenarios.overlap("metamode") == FIXED
 
 
 def test_peft_own_init_empty_weights_is_safe_after_enable_for_peft():
@@ -46,16 +47,17 @@ def test_peft_own_init_empty_weights_is_safe_after_enable_for_peft():
         import peft.utils.integrations as integrations
 
         assert integrations.init_empty_weights.__module__ == "metamode.integrations._peft"
-        assert _scenarios.overlap("peft-shim") == FIXED
+        assert scenarios.overlap("peft-shim") == FIXED
     finally:
         metamode.disable_for_peft()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["stock-peft", "peft-shim"])
 def test_the_scenario_in_a_fresh_interpreter(kind):
     """Same scenario, same interpreter state for both kinds: only the shim differs."""
     result = run_python(
         f"import sys; sys.argv = ['x', 'overlap', {kind!r}]; "
-        "from metamode._scenarios import main; main()"
+        "from metamode.lab.scenarios import main; main()"
     )
     assert result["corrupted"] is (kind == "stock-peft")

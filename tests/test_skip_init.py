@@ -19,13 +19,9 @@ from torch.overrides import TorchFunctionMode
 import metamode
 from metamode import ContextMisuseError
 from metamode._skip_init import SkipInit
+from metamode.lab.threads import wait
 
-_WAIT_S = 30.0  # a guard against hanging on a bug, never used for ordering
 SENTINEL = 7.0
-
-
-def _wait(event: threading.Event) -> None:
-    assert event.wait(_WAIT_S), "deadlocked"
 
 
 def _param(value: float = SENTINEL, requires_grad: bool = True) -> nn.Parameter:
@@ -209,7 +205,7 @@ def test_other_threads_initialise_as_usual_while_one_skips():
     other: dict[str, torch.Tensor] = {}
 
     def bystander() -> None:
-        _wait(inside)
+        wait(inside)
         try:
             param = _param()
             nn.init.kaiming_uniform_(
@@ -224,7 +220,7 @@ def test_other_threads_initialise_as_usual_while_one_skips():
     mine = _param()
     with torch.no_grad(), metamode.skip_init():
         inside.set()
-        _wait(built)  # the bystander initialised while this context was active
+        wait(built)  # the bystander initialised while this context was active
         nn.init.kaiming_uniform_(mine, a=math.sqrt(5))
     thread.join()
     assert torch.equal(other["param"], _expected_kaiming(3))

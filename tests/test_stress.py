@@ -15,9 +15,13 @@ removed in the scenario itself), so the stock code runs unmodified.
 
 from __future__ import annotations
 
+import pytest
+
 import metamode
-from metamode import _scenarios
+from metamode.lab import scenarios
 from tests.conftest import run_python
+
+pytestmark = pytest.mark.slow  # stress rounds and subprocess reproducers
 
 FORCED = """
 import json, threading
@@ -26,7 +30,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 import peft.utils.integrations
 {enable}
-from metamode._scenarios import TinyAttentionBlock, _inject, check_injected
+from metamode.lab.scenarios import TinyAttentionBlock, _inject, check_injected
 
 x_inside, y_done = threading.Event(), threading.Event()
 x_thread = []
@@ -79,7 +83,7 @@ def test_shim_forced_interleaving_keeps_threads_apart():
 
 def test_stock_peft_stress_corrupts():
     result = run_python(
-        "from metamode._scenarios import main; "
+        "from metamode.lab.scenarios import main; "
         "main(['inject', 'stock-peft', '--threads', '8', '--rounds', '200', "
         "'--stop-at-first-corruption'])"
     )
@@ -88,7 +92,7 @@ def test_stock_peft_stress_corrupts():
 
 def test_shim_stress_8_threads_200_rounds():
     try:
-        result = _scenarios.inject("peft-shim", threads=8, rounds=200)
+        result = scenarios.inject("peft-shim", threads=8, rounds=200)
     finally:
         metamode.disable_for_peft()
     assert result["rounds_run"] == 200

@@ -3,8 +3,8 @@
 Used by ``python -m metamode demo`` and by the test suite. Stock runs corrupt
 the process they run in, so callers run them in a subprocess::
 
-    python -m metamode._scenarios overlap stock-peft
-    python -m metamode._scenarios inject stock-peft --threads 8 --rounds 20
+    python -m metamode.lab.scenarios overlap stock-peft
+    python -m metamode.lab.scenarios inject stock-peft --threads 8 --rounds 20
 
 and read the JSON summary printed on the last line.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import threading
@@ -28,14 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from metamode.lab.threads import WAIT_S, run_threads, wait
+
 KINDS = ("metamode", "stock-peft", "peft-shim")
-_WAIT_S = 30.0  # a guard against hanging on a bug, never used for ordering
+# torch's own, captured before any scenario runs (importing this module patches nothing).
 _TORCH_REGISTER_PARAMETER = vars(nn.Module)["register_parameter"]
-
-
-def _wait(event: threading.Event, what: str) -> None:
-    if not event.wait(_WAIT_S):
-        raise TimeoutError(f"scenario deadlocked waiting for {what}")
 
 
 def _empty_weights_factory(kind: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -57,6 +55,54 @@ def register_parameter_is_torchs() -> bool:
     return vars(nn.Module)["register_parameter"] is _TORCH_REGISTER_PARAMETER
 
 
+def torch_globals() -> dict[str, Any]:
+    """What empty-weights helpers replace: Module's ``register_*`` and ``nn.init``'s functions."""
+    return {
+        "register_parameter": vars(nn.Module)["register_parameter"],
+        "register_buffer": vars(nn.Module)["register_buffer"],
+        **{f"init.{name}": getattr(nn.init, name) for name in dir(nn.init) if name[0] != "_"},
+    }
+
+
+def process_problems(original: dict[str, Any]) -> list[str]:
+    """What is wrong with this process now: globals no longer ``original``, a new Linear off cpu."""
+    problems = [
+        f"{name} left replaced"
+        for name, obj in torch_globals().items()
+        if original.get(name) is not obj
+    ]
+    device = nn.Linear(2, 2).weight.device.type
+    if device != "cpu":
+        problems.append(f"a new Linear in the main thread is on {device}")
+    return problems
+
+
+def run_rounds(
+    rounds: int, one_round: Callable[[int], list[str]], stop_at_first_corruption: bool
+) -> dict[str, Any]:
+    """Run ``one_round(index)`` ``rounds`` times, then check the process after each.
+
+    A round is corrupted if it or :func:`process_problems` reports anything.
+    """
+    original = torch_globals()
+    corrupted: list[int] = []
+    first_problems: list[str] = []
+    round_index = -1
+    for round_index in range(rounds):
+        problems = one_round(round_index) + process_problems(original)
+        if problems:
+            corrupted.append(round_index)
+            first_problems = first_problems or problems[:6]
+            if stop_at_first_corruption:
+                break
+    return {
+        "rounds_run": round_index + 1,
+        "corrupted_rounds": len(corrupted),
+        "first_corrupted_round": corrupted[0] if corrupted else None,
+        "first_problems": first_problems,
+    }
+
+
 def overlap(kind: str) -> dict[str, Any]:
     """Two overlapping contexts exiting in the opposite order, forced by Events.
 
@@ -73,7 +119,7 @@ def overlap(kind: str) -> dict[str, Any]:
         try:
             with make_context():
                 a_entered.set()
-                _wait(b_entered, "B to enter")
+                wait(b_entered, "B to enter")
             a_exited.set()
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
@@ -81,10 +127,10 @@ def overlap(kind: str) -> dict[str, Any]:
 
     def thread_b() -> None:
         try:
-            _wait(a_entered, "A to enter")
+            wait(a_entered, "A to enter")
             with make_context():
                 b_entered.set()
-                _wait(a_exited, "A to exit")
+                wait(a_exited, "A to exit")
                 seen["live_context_linear"] = str(nn.Linear(2, 2).weight.device)
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
@@ -157,8 +203,8 @@ def inject(
     Each round a Barrier releases all threads at once; each builds its model
     *after* the barrier (so construction overlaps other threads' contexts)
     and injects with ``low_cpu_mem_usage=True`` (even threads) or ``False``
-    (odd threads). After every round the main thread checks the process:
-    ``register_parameter`` is torch's, and a new Linear is on cpu.
+    (odd threads). After every round the main thread checks the process
+    (:func:`process_problems`).
     """
     if kind == "peft-shim" or kind == "metamode":
         import metamode
@@ -172,50 +218,33 @@ def inject(
     def worker(index: int) -> None:
         low_cpu_mem_usage = index % 2 == 0
         try:
-            barrier.wait(_WAIT_S)
+            barrier.wait(WAIT_S)
             model = TinyAttentionBlock()
             _inject(model, low_cpu_mem_usage)
             slots[index] = check_injected(model, low_cpu_mem_usage)
         except BaseException as error:
             slots[index] = [f"{type(error).__name__}: {error}"]
 
+    def one_round(_: int) -> list[str]:
+        run_threads(functools.partial(worker, i) for i in range(threads))
+        return [f"thread {i}: {p}" for i, slot in enumerate(slots) for p in slot]
+
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
-    corrupted_rounds: list[int] = []
-    first_problems: list[str] = []
     try:
-        for round_index in range(rounds):
-            workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-            for thread in workers:
-                thread.start()
-            for thread in workers:
-                thread.join()
-            problems = [f"thread {i}: {p}" for i, slot in enumerate(slots) for p in slot]
-            if not register_parameter_is_torchs():
-                problems.append("nn.Module.register_parameter is not torch's own")
-            device = nn.Linear(2, 2).weight.device.type
-            if device != "cpu":
-                problems.append(f"a new Linear in the main thread is on {device}")
-            if problems:
-                corrupted_rounds.append(round_index)
-                first_problems = first_problems or problems[:6]
-                if stop_at_first_corruption:
-                    break
+        summary = run_rounds(rounds, one_round, stop_at_first_corruption)
     finally:
         sys.setswitchinterval(old_interval)
     return {
         "kind": kind,
         "threads": threads,
-        "rounds_run": round_index + 1,
-        "corrupted_rounds": len(corrupted_rounds),
-        "first_corrupted_round": corrupted_rounds[0] if corrupted_rounds else None,
-        "first_problems": first_problems,
+        **summary,
         "register_parameter_is_torchs_at_end": register_parameter_is_torchs(),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m metamode._scenarios")
+    parser = argparse.ArgumentParser(prog="python -m metamode.lab.scenarios")
     parser.add_argument("scenario", choices=("overlap", "inject"))
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("--threads", type=int, default=8)

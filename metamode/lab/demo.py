@@ -1,6 +1,6 @@
 """``python -m metamode demo``: PEFT's race, then the same work under metamode.
 
-Runs two scenarios from :mod:`metamode._scenarios`, each in a fresh
+Runs two scenarios from :mod:`metamode.lab.scenarios`, each in a fresh
 subprocess (the stock run corrupts the interpreter it runs in):
 
 1. *overlap*: two threads' empty-weights contexts overlap and exit in the
@@ -19,9 +19,9 @@ from typing import Any
 
 
 def run_scenario(*args: str, timeout: float = 600) -> dict[str, Any]:
-    """Run ``python -m metamode._scenarios *args`` and return its JSON summary."""
+    """Run ``python -m metamode.lab.scenarios *args`` and return its JSON summary."""
     done = subprocess.run(
-        [sys.executable, "-m", "metamode._scenarios", *args],
+        [sys.executable, "-m", "metamode.lab.scenarios", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from metamode.lab.threads import wait
+
 if TYPE_CHECKING:
     from diffusers import StableDiffusionXLPipeline
 
@@ -230,14 +232,6 @@ def run_latents(pipe: StableDiffusionXLPipeline, seed: int = 0, steps: int = 2) 
     return out.images
 
 
-_WAIT_S = 60.0  # guard against hanging on a bug; never used for ordering
-
-
-def _wait(event: threading.Event, what: str) -> None:
-    if not event.wait(_WAIT_S):
-        raise TimeoutError(f"concurrent LoRA load deadlocked waiting for {what}")
-
-
 class _ForcedOverlap:
     """Wraps PEFT's current ``init_empty_weights`` to force the interleaving that leaks.
 
@@ -264,17 +258,17 @@ class _ForcedOverlap:
     def __call__(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         role = self._roles.pop(threading.current_thread().name, None)
         if role == "B":
-            _wait(self._a_in, "A to enter")
+            wait(self._a_in, "A to enter")
         try:
             with self.wrapped(*args, **kwargs):
                 if role == "A":
                     self._a_in.set()
-                    _wait(self._b_in, "B to enter")
+                    wait(self._b_in, "B to enter")
                 elif role == "B":
                     self._b_in.set()
                 yield
                 if role == "B":
-                    _wait(self._a_out, "A to exit")
+                    wait(self._a_out, "A to exit")
         finally:
             if role == "A":
                 self._a_out.set()
@@ -285,7 +279,7 @@ class _ForcedOverlap:
             # before B's exit and, on stock PEFT, capture and later restore torch's
             # function, undoing the leak at random. After this point no open context
             # holds torch's original, so on stock the leak is permanent.
-            _wait(self._b_out, "B to exit")
+            wait(self._b_out, "B to exit")
 
 
 def load_lora_concurrently(

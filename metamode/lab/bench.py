@@ -2,7 +2,7 @@
 
 Every number comes from a fresh process: a worker imports torch and the
 optional libraries once, then forks one child per measurement (see
-:mod:`metamode._bench_workloads`), so no measurement inherits a patch, a
+:mod:`metamode.lab.workloads`), so no measurement inherits a patch, a
 registration hook or a warm cache from another. Each child first builds a
 tiny version of its workload the same way (lazy imports, first-kernel costs),
 then times one full-size build. Repetitions are interleaved -- repetition
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metamode._bench_workloads import (
+from metamode.lab.workloads import (
     IDLE_METHODS,
     LORA_METHODS,
     MODELS,
@@ -60,10 +60,8 @@ from metamode._bench_workloads import (
 
 __all__ = ["main"]
 
-WORKER = Path(__file__).with_name("_bench_workloads.py")
-# Loads the worker by path: ``import metamode._bench_workloads`` would import
-# metamode (and its hooks) into processes that must run without it.
-_BOOT = "import runpy, sys; path = sys.argv.pop(1); runpy.run_path(path, run_name='__main__')"
+# Importing it installs no metamode hooks (see metamode.lab): workers start clean.
+WORKER = [sys.executable, "-m", "metamode.lab.workloads"]
 _OPTIONAL = ("transformers", "diffusers", "peft", "accelerate")
 _GIB = 1 << 30
 
@@ -280,7 +278,7 @@ class ForkServer:
     def __init__(self, packages: list[str]) -> None:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(WORKER), "serve", ",".join(packages)],
+            [*WORKER, "serve", ",".join(packages)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -327,7 +325,7 @@ class FreshInterpreters:
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         try:
             done = subprocess.run(
-                [sys.executable, "-c", _BOOT, str(WORKER), "once", json.dumps(task)],
+                [*WORKER, "once", json.dumps(task)],
                 capture_output=True,
                 text=True,
                 timeout=float(task.get("timeout", 600)) + 120,
@@ -772,7 +770,7 @@ def machine() -> dict[str, Any]:
         for line in meminfo:
             if line.startswith("MemTotal:"):
                 total = int(line.split()[1]) * 1024
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in ("torch", *_OPTIONAL, "metamode", "rich"):
         try:
             versions[package] = importlib.metadata.version(package)
@@ -885,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     runner: ForkServer | FreshInterpreters
     runner = ForkServer(plan.packages) if use_fork else FreshInterpreters()
     records: list[dict[str, Any]] = []
-    skipped: dict[tuple[str, str], str] = {}
+    skipped: dict[tuple[Any, str], str] = {}
     try:
         probes = [
             dict(section="size", kind="size", model=m, method="size", rep=0, tiny=plan.tiny)

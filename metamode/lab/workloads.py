@@ -9,11 +9,10 @@ then *forks* a fresh child per measurement: the child inherits the imports
 and nothing else, measures one thing, reports it and exits. Pass
 ``--no-fork`` to the bench to start a new interpreter per measurement instead.
 
-This file never imports metamode at module level, and the bench runs it by
-file path, not as ``metamode._bench_workloads`` (which would import the
-package): the "not imported" side of the idle-overhead comparison and the
-stock-library baselines must run in processes without metamode's hooks. A
-child imports metamode only when its method needs it.
+This module never imports metamode's core at module level (see
+:mod:`metamode.lab`): the "not imported" side of the idle-overhead comparison
+and the stock-library baselines must run in processes without metamode's
+hooks. A child imports metamode only when its method needs it.
 
 Shapes are the real models' published configuration values, written out in
 code (no hub access): Llama-2-7B and Llama-2-70B, Llama-3.2-1B, and the
@@ -41,6 +40,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from metamode.lab import core_imported
+from metamode.lab.scenarios import register_parameter_is_torchs
 
 # -- shapes ---------------------------------------------------------------------------
 
@@ -485,13 +487,6 @@ def _lora_problems(model: nn.Module, low_cpu_mem_usage: bool) -> list[str]:
     return problems
 
 
-def _register_parameter_is_torchs() -> bool:
-    return vars(nn.Module)["register_parameter"] is _TORCH_REGISTER_PARAMETER
-
-
-_TORCH_REGISTER_PARAMETER = vars(nn.Module)["register_parameter"]
-
-
 def measure_lora(task: dict[str, Any]) -> dict[str, Any]:
     model, method, tiny = task["model"], task["method"], task.get("tiny", False)
     low_cpu_mem_usage = method != "low_cpu_mem_usage=False"
@@ -581,7 +576,7 @@ def measure_threads(task: dict[str, Any]) -> dict[str, Any]:
                 run(unit)
     problems = [p for base in bases for p in _lora_problems(base, True)]
     result["problems"] = (errors + problems)[:5]
-    result["leaked"] = not _register_parameter_is_torchs()
+    result["leaked"] = not register_parameter_is_torchs()
     result["linear_after"] = nn.Linear(2, 2).weight.device.type
     return result
 
@@ -632,7 +627,7 @@ def measure_idle(task: dict[str, Any]) -> dict[str, Any]:
         result[key] = statistics.median(r[key] for r in rounds)
         result[f"{key}_rounds"] = [r[key] for r in rounds]
     result["rss_peak"] = max((r["rss_peak"] or 0) for r in rounds) or None
-    result["metamode_imported"] = "metamode" in sys.modules
+    result["metamode_imported"] = core_imported()
     result["model"] = name
     return result
 
@@ -756,7 +751,7 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["once"]:
         print(json.dumps(run_task(json.loads(argv[1]))), flush=True)
     else:
-        raise SystemExit("usage: _bench_workloads.py serve PKG,PKG | once TASK_JSON")
+        raise SystemExit("usage: python -m metamode.lab.workloads serve PKG,PKG | once TASK_JSON")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""Every private torch name metamode uses, and nothing else.
+
+A torch upgrade is checked here: no other module in the package imports or
+reads a private torch name. Each entry names the public alternative that
+would replace it, or says that there is none yet.
+
+===============================================  ==========================================
+private name                                     public alternative
+===============================================  ==========================================
+``torch.overrides._push_mode`` / ``_pop_mode``   ``TorchFunctionMode.__enter__/__exit__``
+                                                 (they must nest like ``with``; metamode's
+                                                 contexts check ownership and order first)
+``torch._C._len_torch_function_stack``           none: no public read of the mode stack
+``torch._C._get_function_stack_at``              none (``torch.overrides._get_current_
+                                                 function_mode_stack`` is private too)
+``torch._C.DisableTorchFunction``                ``torch._C.DisableTorchFunctionSubclass``
+                                                 is also private; none public
+``torch._C._disabled_torch_function_impl``       none: the default ``__torch_function__``
+``torch._C._VariableFunctions``                  none: where torch's C functions live
+``torch.utils._device._device_constructors``     none: the factories ``torch.device(...)``
+                                                 redirects
+``torch.utils._device.DeviceContext``            ``torch.device`` as a context manager
+``torch.utils._device.CURRENT_DEVICE``           ``torch.get_default_device()`` (reads only)
+``torch._GLOBAL_DEVICE_CONTEXT``                 ``torch.set_default_device`` /
+                                                 ``torch.get_default_device()``
+``torch.nn.modules.module._global_*_hooks``      ``register_module_*_registration_hook``
+                                                 (adds only: no public read)
+``torch.Tensor._make_subclass``                  ``torch.Tensor.as_subclass`` (shares the
+                                                 autograd graph; metamode needs a leaf)
+===============================================  ==========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._device as _device
+from torch._C import (
+    DisableTorchFunction,
+    _disabled_torch_function_impl,
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _VariableFunctions,
+)
+from torch.nn.modules import module as _torch_module
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+from torch.utils._device import DeviceContext, _device_constructors
+
+__all__ = [
+    "all_registration_hooks",
+    "DeviceContext",
+    "DisableTorchFunction",
+    "VariableFunctions",
+    "clear_current_device",
+    "current_device",
+    "default_torch_function",
+    "device_constructors",
+    "global_device_context",
+    "make_subclass",
+    "mode_at",
+    "mode_stack_depth",
+    "pop_mode",
+    "push_mode",
+    "registration_hooks",
+    "set_global_device_context",
+]
+
+push_mode = _push_mode
+pop_mode = _pop_mode
+mode_stack_depth = _len_torch_function_stack
+mode_at: Callable[[int], TorchFunctionMode] = _get_function_stack_at
+default_torch_function = _disabled_torch_function_impl
+VariableFunctions = _VariableFunctions
+device_constructors = _device_constructors
+make_subclass = torch.Tensor._make_subclass
+
+_HOOK_KINDS = ("parameter", "buffer", "module")
+
+
+def registration_hooks(kind: str) -> dict[Any, Any]:
+    """torch's dict of global ``kind`` (parameter, buffer, module) registration hooks."""
+    return getattr(_torch_module, f"_global_{kind}_registration_hooks")
+
+
+def all_registration_hooks() -> dict[str, dict[Any, Any]]:
+    """Every global registration hook dict, by its full dotted name."""
+    return {
+        f"torch.nn.modules.module._global_{kind}_registration_hooks": registration_hooks(kind)
+        for kind in _HOOK_KINDS
+    }
+
+
+def current_device() -> Any:
+    """The device a ``with torch.device(...)`` block set process-wide (None if none)."""
+    return _device.CURRENT_DEVICE
+
+
+def clear_current_device() -> None:
+    _device.CURRENT_DEVICE = None
+
+
+def global_device_context() -> DeviceContext | None:
+    """The ``DeviceContext`` ``torch.set_default_device`` installed in this thread."""
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+
+
+def set_global_device_context(context: DeviceContext | None) -> None:
+    torch._GLOBAL_DEVICE_CONTEXT.device_context = context
