@@ -86,7 +86,7 @@ def _scalar_kind(value: Any) -> int:
             return _FLOAT
         return _BOOL if value.dtype == torch.bool else _INT
     dtype = getattr(value, "dtype", None)  # NumPy scalars
-    kind = getattr(dtype, "kind", None)
+    kind = str(getattr(dtype, "kind", ""))
     # torch reads a NumPy bool as a float here: full((1,), np.bool_(True)) and
     # arange(np.bool_(True)) are of the default floating dtype.
     return {"b": _FLOAT, "i": _INT, "u": _INT, "f": _FLOAT, "c": _COMPLEX}.get(kind, _OTHER)
@@ -106,6 +106,7 @@ def _data_dtype(data: Any, dtype: torch.dtype, complex_dtype: torch.dtype) -> to
     result: torch.dtype | None = None
     uses_default = False
     pending = [data]
+    leaf: torch.dtype | None
     while pending:
         item = pending.pop()
         kind = type(item)
@@ -233,6 +234,8 @@ class DefaultDtype(ThreadScopedMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if self._inert:
+            return func(*args, **kwargs)
         rule = _RULES.get(func)
         if rule is not None and kwargs.get("dtype") is None and kwargs.get("out") is None:
             kind = rule(args, kwargs)

@@ -289,7 +289,7 @@ def _check_factories(
                 "missing" if current is _MISSING else "is not torch's own",
                 None if current is _MISSING else _originals.describe(current),
                 _repair=lambda _, o=owner, n=name, v=original: _set(  # type: ignore[misc]
-                    o, n, v, f"restored torch._C._VariableFunctions.{n}"
+                    o, n, v, f"restored {_torch.VARIABLE_FUNCTIONS_NAME}.{n}"
                 ),
             )
         )
@@ -449,7 +449,7 @@ def _check_default_device() -> list[Finding]:
     if current is not None and not findings:
         findings.append(
             Finding(
-                "torch.utils._device.CURRENT_DEVICE",
+                _torch.CURRENT_DEVICE_NAME,
                 f"is {current} with no device context in this thread (a torch.device "
                 f"context exited out of order, or another thread is inside one now)",
                 None,
@@ -473,7 +473,7 @@ def _reset_default_device(_: object) -> str:
         done.append(f"removed torch.device({str(mode.device)!r}) from this thread's mode stack")
     if _torch.current_device() is not None:
         _torch.clear_current_device()
-        done.append("reset torch.utils._device.CURRENT_DEVICE to None")
+        done.append(f"reset {_torch.CURRENT_DEVICE_NAME} to None")
     return "; ".join(done) or "already reset by the repair above"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 import torch
 from torch import Tensor
@@ -44,8 +45,7 @@ def _on_parameter_registered(module, name, param):
             moved = context.place_parameter(param, module, name)
     else:
         moved = context.place_parameter(param, module, name)
-    stacklevel = moved is not None and _load_state_dict_caller(module, name, moved)
-    if stacklevel:
+    if moved is not None and (stacklevel := _load_state_dict_caller(module, name, moved)):
         warnings.warn(
             f"load_state_dict(assign=True) inside {context!r} assigned "
             f"{type(module).__qualname__}.{name}, and the block put it back on "
@@ -68,7 +68,8 @@ def _load_state_dict_caller(module, name: str, moved: Parameter) -> int:
     old = module._parameters.get(name)
     if old is None or old.device != moved.device:
         return 0
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and level < 8:  # the hook <- register_parameter <- __setattr__
         if frame.f_code is _LOAD_FROM_STATE_DICT:
             break

@@ -10,9 +10,7 @@ after is how the test suite proves that metamode leaves nothing behind.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from metamode import _torch
 from metamode._trace import (
     Op,
     Trace,
@@ -98,7 +100,7 @@ def _traces(slots: dict[int, _Slot]) -> list[Trace]:
 
 
 def _why_not(
-    tensor: torch.Tensor, traces: list[Trace] = (), homes: list = ()
+    tensor: torch.Tensor, traces: Sequence[Trace] = (), homes: Sequence = ()
 ) -> tuple[tuple[Trace, int] | None, str | None]:
     entry = registry_entry(tensor)
     if entry is None and _is_dtensor(tensor):
@@ -189,7 +191,7 @@ def materialize(
             f"from a checkpoint (load_state_dict(assign=True)), or pass "
             f"on_unreproducible='empty' to leave them uninitialised."
         )
-    with torch.no_grad(), torch._C.DisableTorchFunction():
+    with torch.no_grad(), _torch.DisableTorchFunction():
         for slot, _ in refused:
             _install(slot, torch.empty_like(slot.tensor, device=device))
         together = set(traces)
@@ -207,14 +209,11 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "device_mesh")
 
 
-def _local_shard(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _local_shard(tensor: Any, value: torch.Tensor) -> torch.Tensor:
     """This rank's piece of the full ``value`` of DTensor ``tensor`` (a DTensor)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
+    shape, offset = _torch.local_shape_and_offset(tensor)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
     local = value[index].clone(memory_format=torch.contiguous_format)
     return DTensor.from_local(
@@ -247,9 +246,9 @@ def _install(slot: _Slot, value: torch.Tensor) -> None:
             home._buffers[name] = value
         return
     if _is_dtensor(tensor):
-        new = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
     else:
-        new = torch.Tensor._make_subclass(type(tensor), value.detach(), tensor.requires_grad)
+        new = _torch.make_subclass(type(tensor), value.detach(), tensor.requires_grad)
     new.__dict__ = dict(tensor.__dict__)
     rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
     for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
@@ -262,7 +261,7 @@ def _install(slot: _Slot, value: torch.Tensor) -> None:
     # Something holds a weak reference to it (RNN's _flat_weight_refs), which
     # swap_tensors refuses: put the new parameter in every place the old one was.
     for home, name in slot.homes:
-        home._parameters[name] = new
+        home._parameters[name] = new  # type: ignore[assignment]
         if isinstance(home, nn.RNNBase):
             home._init_flat_weights()
 
@@ -283,13 +282,15 @@ def _entry_state(trace: Trace, together: set[Trace]) -> torch.Tensor:
     if parent is None:
         return trace.entry_state
     if parent.replayed_exit is None:
-        chain = []
-        while parent is not None and parent.replayed_exit is None:
-            chain.append(parent)
-            parent = _parent(parent, together)
+        chain: list[Trace] = []
+        ancestor: Trace | None = parent
+        while ancestor is not None and ancestor.replayed_exit is None:
+            chain.append(ancestor)
+            ancestor = _parent(ancestor, together)
         for ancestor in reversed(chain):  # oldest first, for their random draws only
             _replay(ancestor, {}, _CPU, together)
-    return trace.parent.replayed_exit
+    assert parent.replayed_exit is not None
+    return parent.replayed_exit
 
 
 def _replay(
@@ -374,14 +375,16 @@ def _replay(
             for s, r in zip(spec, result, strict=True):
                 bind(s, r)
 
-    done: set[int] = set()
+    done = set()
     for i, op in enumerate(ops):
         if draw_only[i]:
+            assert op.scratch is not None
             shape, dtype = op.scratch
             env[op.mutated] = torch.empty(shape, dtype=dtype)
             _run(op, env, decode, bind, generator)
             del env[op.mutated]
         elif birth[i]:
+            assert op.scratch is not None
             shape, dtype = op.scratch
             env[op.mutated] = torch.empty(shape, dtype=dtype)
             held.setdefault(op.mutated, []).append(op.mutated)

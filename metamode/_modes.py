@@ -29,8 +29,8 @@ from torch.overrides import TorchFunctionMode
 from metamode import _stack
 from metamode._params import moved_parameter, moved_tensor
 from metamode._skippable import skipped_target
-from metamode._trace import Trace
 from metamode._torch import device_constructors, pop_mode, push_mode
+from metamode._trace import Trace
 
 __all__ = [
     "ContextMisuseError",
@@ -97,21 +97,20 @@ class ThreadScopedMode(TorchFunctionMode):
     _inert = False  # class default; set on the instance only, never on the class
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every subclass's handler gets the inert check, so no subclass can
-        # forget it: an inert mode on its owner's stack must not act.
+        # An inert mode on its owner's stack must not act, so every handler
+        # starts with ``if self._inert: return func(*args, **kwargs)``. Checked
+        # here rather than added by a wrapper: a wrapper would cost a Python
+        # frame in every torch call and shift the frames the handlers inspect.
         super().__init_subclass__(**kwargs)
         handler = cls.__dict__.get("__torch_function__")
-        if handler is None or getattr(handler, "__metamode_inert_checked__", False):
-            return
+        if handler is not None and "_inert" not in handler.__code__.co_names:
+            raise TypeError(
+                f"{cls.__qualname__}.__torch_function__ must pass calls through while the "
+                f"context is inert: start it with `if self._inert: return func(*args, **kwargs)`."
+            )
 
-        @functools.wraps(handler)
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if self._inert:
-                return func(*args, **(kwargs or {}))
-            return handler(self, func, types, args, kwargs)
-
-        __torch_function__.__metamode_inert_checked__ = True
-        cls.__torch_function__ = __torch_function__  # at class creation only
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))  # a context that only marks the stack
 
     def __init__(self) -> None:
         super().__init__()
@@ -324,6 +323,8 @@ class EmptyWeights(ThreadScopedMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if self._inert:
+            return func(*args, **kwargs)
         trace = self._trace
         if self._suspended:
             if trace is not None:  # real calls: recorded to keep the random stream aligned
@@ -417,9 +418,6 @@ class SkipEmptyWeights(ThreadScopedMode):
 
     _after_refused_exit = _before_exit  # an inert skip suspends nothing
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
 
 _SCOPES = (EmptyWeights, SkipEmptyWeights)
 
@@ -453,7 +451,6 @@ def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
     return here.type == device.type and (
         device.index is None or here.index is None or here.index == device.index
     )
-
 
 
 # Installs the registration hooks. Here, in the module every context class comes

@@ -11,7 +11,7 @@ import. Instead it asks where an object is defined:
   fails this test even when it copies ``__name__``/``__qualname__`` with
   ``functools.wraps``.
 * ``torch.empty`` and the other factories are C builtins that
-  ``torch/__init__.py`` copies from ``torch._C._VariableFunctions``; the
+  ``torch/__init__.py`` copies from torch's C function table; the
   original is whatever that class still holds under the name (patchers
   replace the ``torch`` attribute, never the C class).
 
@@ -109,7 +109,7 @@ def describe(obj: object) -> str:
 
 
 def builtin_original(name: str) -> object | None:
-    """torch's own C function ``torch.<name>``, from ``torch._C._VariableFunctions``."""
+    """torch's own C function ``torch.<name>``, from its C function table."""
     return getattr(VariableFunctions, name, None)
 
 

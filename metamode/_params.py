@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 from torch.nn import Parameter
-from torch.nn.parameter import UninitializedTensorMixin
 
-from metamode._torch import make_subclass
+from metamode._torch import UninitializedTensorMixin, make_subclass
 
 __all__ = ["moved_parameter", "moved_tensor"]
 

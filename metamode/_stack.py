@@ -37,7 +37,7 @@ def innermost(kinds: type | tuple[type, ...], skip_inert: bool = False) -> Torch
     depth = mode_stack_depth()
     for index in range(depth - 1, -1, -1):
         mode = mode_at(index)
-        if isinstance(mode, kinds) and not (skip_inert and mode._inert):
+        if isinstance(mode, kinds) and not (skip_inert and getattr(mode, "_inert", False)):
             return mode
     return None
 

@@ -27,6 +27,9 @@ private name                                     public alternative
                                                  (adds only: no public read)
 ``torch.Tensor._make_subclass``                  ``torch.Tensor.as_subclass`` (shares the
                                                  autograd graph; metamode needs a leaf)
+``torch.distributed.tensor._utils.``             ``distribute_tensor`` (a collective: every
+``compute_local_shape_and_global_offset``        rank would need the full tensor at once)
+``torch.nn.parameter.UninitializedTensorMixin``  ``torch.nn.parameter.is_lazy`` (tensors only)
 ===============================================  ==========================================
 """
 
@@ -58,6 +61,10 @@ __all__ = [
     "default_torch_function",
     "device_constructors",
     "global_device_context",
+    "CURRENT_DEVICE_NAME",
+    "UninitializedTensorMixin",
+    "VARIABLE_FUNCTIONS_NAME",
+    "local_shape_and_offset",
     "make_subclass",
     "mode_at",
     "mode_stack_depth",
@@ -75,6 +82,10 @@ default_torch_function = _disabled_torch_function_impl
 VariableFunctions = _VariableFunctions
 device_constructors = _device_constructors
 make_subclass = torch.Tensor._make_subclass
+UninitializedTensorMixin: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+# How doctor names what it reports and repairs.
+CURRENT_DEVICE_NAME = "torch.utils._device.CURRENT_DEVICE"
+VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"
 
 _HOOK_KINDS = ("parameter", "buffer", "module")
 
@@ -108,3 +119,13 @@ def global_device_context() -> DeviceContext | None:
 
 def set_global_device_context(context: DeviceContext | None) -> None:
     torch._GLOBAL_DEVICE_CONTEXT.device_context = context
+
+
+def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and global offset of this rank's shard of ``dtensor`` (no communication)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return tuple(shape), tuple(offset)

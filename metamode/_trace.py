@@ -309,7 +309,7 @@ class Trace:
         self.serial = next(_SERIALS)
         self.owner = threading.get_ident()
         self._next = 0
-        self._ids: _IdMap | None = _IdMap()
+        self._ids: _IdMap = _IdMap()
         # storage pointer -> [(weakref to tensor, value id)], to find nn.Parameter(t)'s t
         self._storage: dict[int, list] = {}
         self._vid_storage: dict[int, int] = {}
@@ -430,7 +430,7 @@ class Trace:
         random = _is_random(func)
         op = Op(func, enc_args, enc_kwargs, ins, out_spec, outs, mutated, random)
         if random and mutated is not None and len(set(ins)) == 1 and name in _OVERWRITING:
-            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            target: Any = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
             op.scratch = (tuple(target.shape), target.dtype)
         self._taint_op(op, func)
         self.ops.append(op)
@@ -522,7 +522,7 @@ class Trace:
         """``original`` was registered on a module, as ``placed`` (its twin) if moved."""
         why = " (registered as a parameter or buffer)"
         vid = self.vid_of(original, why)
-        if module is not None:
+        if module is not None and name is not None:
             _note_home(module, name, self, vid)
         _register(original, self, vid)
         if placed is not None:
@@ -535,7 +535,7 @@ class Trace:
         self.exit_state = torch.default_generator.get_state()
         if self.owner == threading.get_ident():
             _LAST.trace = weakref.ref(self)
-        self._ids = None
+        self._ids = _IdMap()
         self._vid_storage = {}
         self._storage = {
             ptr: live

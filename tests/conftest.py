@@ -93,4 +93,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped and session.exitstatus == pytest.ExitCode.OK:
         reporter.write_line(f"{len(skipped)} test(s) skipped: failing the run", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 import metamode
+from metamode import _params
 from metamode._modes import LoadedIntoEmptyWeightsWarning
 from metamode._stack import stack_depth
 
@@ -95,7 +96,7 @@ def test_parameter_subclass_that_cannot_be_rebuilt_names_every_refusal(monkeypat
     def make_subclass_fails(*args, **kwargs):
         raise RuntimeError("no _make_subclass either")
 
-    monkeypatch.setattr(torch.Tensor, "_make_subclass", make_subclass_fails)
+    monkeypatch.setattr(_params, "make_subclass", make_subclass_fails)
     with (
         pytest.raises(
             TypeError, match=r"cannot rebuild a Unbuildable on meta.*ValueError: refused"

@@ -206,3 +206,13 @@ def test_decorated_function_unaffected_by_inert_mode_below():
     assert build().weight.is_meta
     assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
     assert stack_depth() == 0
+
+
+def test_a_mode_class_whose_handler_ignores_inertness_is_refused_at_definition():
+    from metamode._modes import ThreadScopedMode
+
+    with pytest.raises(TypeError, match=r"Forgetful.__torch_function__ must pass calls through"):
+
+        class Forgetful(ThreadScopedMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))

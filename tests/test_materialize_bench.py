@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from metamode._bench_materialize import PHASES
+from metamode.lab.bench_materialize import PHASES
 
 
 def test_bench_materialize_prints_every_row():

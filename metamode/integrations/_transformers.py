@@ -93,6 +93,8 @@ class LinspaceOnCpu(ThreadScopedMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if self._inert:
+            return func(*args, **kwargs)
         if func is torch.linspace and "device" not in kwargs:
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
@@ -218,11 +220,12 @@ def _enable_4() -> tuple[str, ...]:
     except BaseException:
         _TRANSFORMERS_4.disable()
         raise
-    current = module._init_weights
+    namespace = vars(module)
+    current = namespace["_init_weights"]
     if not isinstance(current, InitWeightsFlag):
         flag = InitWeightsFlag(bool(current))
         SHARED[_FLAG] = flag
-        module._init_weights = flag
+        namespace["_init_weights"] = flag
     return (*bound, f"{_MODELING_UTILS}._init_weights")
 
 
@@ -231,7 +234,7 @@ def _disable_4() -> tuple[str, ...]:
     module = sys.modules.get(_MODELING_UTILS)
     flag = SHARED.pop(_FLAG, None)
     if module is not None and isinstance(vars(module).get("_init_weights"), InitWeightsFlag):
-        module._init_weights = flag.default if flag is not None else True
+        vars(module)["_init_weights"] = flag.default if flag is not None else True
         restored.append(f"{_MODELING_UTILS}._init_weights")
     return tuple(sorted(restored))
 

@@ -37,7 +37,7 @@ def measure(model: str, phase: str, tiny: bool = False) -> dict[str, Any]:
     import torch
 
     import metamode
-    from metamode import _bench_workloads as workloads
+    from metamode.lab import workloads
 
     workloads.build(model, tiny=True)
     torch.set_num_threads(1)
@@ -84,7 +84,7 @@ PHASES = (
 
 def _run(model: str, phase: str, tiny: bool) -> dict[str, Any]:
     code = (
-        "import json, metamode._bench_materialize as b; "
+        "import json, metamode.lab.bench_materialize as b; "
         f"print(json.dumps(b.measure({model!r}, {phase!r}, {tiny!r})))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
