@@ -15,7 +15,7 @@ stack, so it affects only the thread that entered it and cannot leak.
 imported from its module on first use. The registration hooks (torch's
 official parameter/buffer hooks, which do nothing unless a metamode context is
 active in the calling thread) are installed once per process when the core
-module :mod:`metamode._modes` is first imported -- which every context needs,
+module :mod:`metamode._core.modes` is first imported -- which every context needs,
 so they are always in place before any context can be entered.
 """
 
@@ -26,71 +26,75 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "active": "metamode._contexts",
-    "empty_weights": "metamode._contexts",
-    "init_empty_weights": "metamode._contexts",
-    "init_on_device": "metamode._contexts",
-    "skip_empty_weights": "metamode._contexts",
-    "default_dtype": "metamode._default_dtype",
-    "doctor": "metamode._doctor",
-    "ContextMisuseError": "metamode._modes",
-    "EmptyWeights": "metamode._modes",
-    "SkipEmptyWeights": "metamode._modes",
-    "LoadedIntoEmptyWeightsWarning": "metamode._modes",
-    "materialize": "metamode._materialize",
-    "is_materializable": "metamode._materialize",
-    "NotMaterializableError": "metamode._materialize",
-    "skip_init": "metamode._skip_init",
-    "summary": "metamode._summary",
-    "disable_for_accelerate": "metamode.integrations._accelerate",
-    "enable_for_accelerate": "metamode.integrations._accelerate",
-    "disable_for_diffusers": "metamode.integrations._diffusers",
-    "enable_for_diffusers": "metamode.integrations._diffusers",
-    "disable": "metamode.integrations._enable_all",
-    "enable": "metamode.integrations._enable_all",
-    "enabled": "metamode.integrations._enable_all",
-    "is_enabled": "metamode.integrations._enable_all",
-    "EnableResult": "metamode.integrations._enable_all",
-    "disable_for_peft": "metamode.integrations._peft",
-    "enable_for_peft": "metamode.integrations._peft",
+    "active": "metamode._contexts.empty_weights",
+    "empty_weights": "metamode._contexts.empty_weights",
+    "init_empty_weights": "metamode._contexts.empty_weights",
+    "init_on_device": "metamode._contexts.empty_weights",
+    "skip_empty_weights": "metamode._contexts.empty_weights",
+    "default_dtype": "metamode._contexts.default_dtype",
+    "doctor": "metamode._diagnostics.doctor",
+    "ContextMisuseError": "metamode._core.modes",
+    "EmptyWeights": "metamode._core.modes",
+    "SkipEmptyWeights": "metamode._core.modes",
+    "LoadedIntoEmptyWeightsWarning": "metamode._core.modes",
+    "materialize": "metamode._contexts.materialize",
+    "is_materializable": "metamode._contexts.materialize",
+    "NotMaterializableError": "metamode._contexts.materialize",
+    "skip_init": "metamode._contexts.skip_init",
+    "summary": "metamode._diagnostics.summary",
+    "disable_for_accelerate": "metamode.integrations.accelerate",
+    "enable_for_accelerate": "metamode.integrations.accelerate",
+    "disable_for_diffusers": "metamode.integrations.diffusers",
+    "enable_for_diffusers": "metamode.integrations.diffusers",
+    "disable": "metamode.integrations._registry",
+    "enable": "metamode.integrations._registry",
+    "enabled": "metamode.integrations._registry",
+    "is_enabled": "metamode.integrations._registry",
+    "EnableResult": "metamode.integrations._registry",
+    "disable_for_peft": "metamode.integrations.peft",
+    "enable_for_peft": "metamode.integrations.peft",
     "IncompatibleLibraryError": "metamode.integrations._rebind",
-    "disable_for_transformers": "metamode.integrations._transformers",
-    "enable_for_transformers": "metamode.integrations._transformers",
+    "disable_for_transformers": "metamode.integrations.transformers",
+    "enable_for_transformers": "metamode.integrations.transformers",
 }
 _SUBMODULES = ("testing", "integrations")
 
 if _typing.TYPE_CHECKING:
     from metamode import integrations, testing  # noqa: F401
-    from metamode._contexts import (
+    from metamode._contexts.default_dtype import default_dtype
+    from metamode._contexts.empty_weights import (
         active,
         empty_weights,
         init_empty_weights,
         init_on_device,
         skip_empty_weights,
     )
-    from metamode._default_dtype import default_dtype
-    from metamode._doctor import doctor
-    from metamode._materialize import NotMaterializableError, is_materializable, materialize
-    from metamode._modes import (
+    from metamode._contexts.materialize import (
+        NotMaterializableError,
+        is_materializable,
+        materialize,
+    )
+    from metamode._contexts.skip_init import skip_init
+    from metamode._core.modes import (
         ContextMisuseError,
         EmptyWeights,
         LoadedIntoEmptyWeightsWarning,
         SkipEmptyWeights,
     )
-    from metamode._skip_init import skip_init
-    from metamode._summary import summary
-    from metamode.integrations._accelerate import disable_for_accelerate, enable_for_accelerate
-    from metamode.integrations._diffusers import disable_for_diffusers, enable_for_diffusers
-    from metamode.integrations._enable_all import (
+    from metamode._diagnostics.doctor import doctor
+    from metamode._diagnostics.summary import summary
+    from metamode.integrations._rebind import IncompatibleLibraryError
+    from metamode.integrations._registry import (
         EnableResult,
         disable,
         enable,
         enabled,
         is_enabled,
     )
-    from metamode.integrations._peft import disable_for_peft, enable_for_peft
-    from metamode.integrations._rebind import IncompatibleLibraryError
-    from metamode.integrations._transformers import (
+    from metamode.integrations.accelerate import disable_for_accelerate, enable_for_accelerate
+    from metamode.integrations.diffusers import disable_for_diffusers, enable_for_diffusers
+    from metamode.integrations.peft import disable_for_peft, enable_for_peft
+    from metamode.integrations.transformers import (
         disable_for_transformers,
         enable_for_transformers,
     )
@@ -113,7 +117,7 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext metamode``: registers the ``%%empty_weights`` cell magic."""
-    from metamode._ipython import load_ipython_extension as load
+    from metamode._tools.ipython import load_ipython_extension as load
 
     load(ipython)
 

@@ -14,7 +14,10 @@ _COMMANDS = {
         "metamode.lab.bench_materialize",
         "time replayable builds and materialize against eager construction",
     ),
-    "doctor": ("metamode._doctor", "find (and optionally repair) global patches left in torch"),
+    "doctor": (
+        "metamode._diagnostics.doctor",
+        "find (and optionally repair) global patches left in torch",
+    ),
 }
 
 

@@ -35,8 +35,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from metamode._invariants import snapshot
-from metamode._stack import modes_innermost_first, remove, stack_depth
+from metamode._core.stack import modes_innermost_first, remove, stack_depth
+from metamode._diagnostics.invariants import snapshot
 
 __all__ = ["HammerFailure", "HammerReport", "hammer"]
 

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-import metamode._modes  # noqa: F401  (the core: hooks are installed before the first snapshot)
-from metamode._invariants import snapshot
+import metamode._core.modes  # noqa: F401  (the core: hooks are installed before the first snapshot)
+from metamode._diagnostics.invariants import snapshot
 
 
 @pytest.fixture(autouse=True)

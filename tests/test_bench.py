@@ -1,7 +1,7 @@
 """The skipped-init fast path changes nothing but speed, and the bench runs.
 
 Inside ``metamode.empty_weights()`` value-initialising calls on meta tensors
-return at once (:mod:`metamode._skippable`). These tests prove, for a
+return at once (:mod:`metamode._core.skip_rule`). These tests prove, for a
 pure-torch model in this process and for transformers / diffusers / PEFT
 models in a subprocess, that a model built with the skip is *exactly* the
 model built without it -- module tree, parameter and buffer shapes, dtypes,
@@ -164,7 +164,7 @@ _LIBRARY_CHECK = textwrap.dedent(
             }
 
     # PEFT LoRA injection with metamode's shim: skip on vs off.
-    import metamode._modes as modes
+    import metamode._core.modes as modes
     from peft import inject_adapter_in_model
     metamode.enable_for_peft()
     real_skip = modes.skipped_target

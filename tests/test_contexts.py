@@ -11,8 +11,8 @@ from torch.nn.modules import module as torch_module
 
 import metamode
 from metamode import ContextMisuseError
-from metamode._hooks import installed
-from metamode._stack import stack_depth
+from metamode._core.hooks import installed
+from metamode._core.stack import stack_depth
 
 
 class WithBuffer(nn.Module):
@@ -368,7 +368,7 @@ def test_hooks_are_installed_at_import_and_contexts_do_not_touch_them():
 def test_reimporting_the_hooks_module_installs_nothing_new():
     import importlib
 
-    import metamode._hooks as hooks
+    import metamode._core.hooks as hooks
 
     count = len(torch_module._global_parameter_registration_hooks)
     importlib.reload(hooks)

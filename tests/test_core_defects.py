@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 import metamode
-from metamode import _params
-from metamode._modes import LoadedIntoEmptyWeightsWarning
-from metamode._stack import stack_depth
+from metamode._core import params as _params
+from metamode._core.modes import LoadedIntoEmptyWeightsWarning
+from metamode._core.stack import stack_depth
 
 # -- LazyLinear ----------------------------------------------------------------
 

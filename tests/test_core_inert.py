@@ -18,8 +18,8 @@ import torch
 
 import metamode
 from metamode import ContextMisuseError
-from metamode._stack import stack_depth, top
-from metamode.integrations._transformers import LinspaceOnCpu
+from metamode._core.stack import stack_depth, top
+from metamode.integrations.transformers import LinspaceOnCpu
 
 
 def _held(make):
@@ -209,7 +209,7 @@ def test_decorated_function_unaffected_by_inert_mode_below():
 
 
 def test_a_mode_class_whose_handler_ignores_inertness_is_refused_at_definition():
-    from metamode._modes import ThreadScopedMode
+    from metamode._core.modes import ThreadScopedMode
 
     with pytest.raises(TypeError, match=r"Forgetful.__torch_function__ must pass calls through"):
 

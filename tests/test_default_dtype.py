@@ -17,7 +17,7 @@ from torch import nn
 
 import metamode
 from metamode import ContextMisuseError
-from metamode._default_dtype import DefaultDtype
+from metamode._contexts.default_dtype import DefaultDtype
 from metamode.lab.threads import wait
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float64)

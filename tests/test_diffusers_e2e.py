@@ -172,7 +172,7 @@ def test_metamode_concurrent_load_lora_matches_sequential() -> None:
 
     metamode.enable_for_peft()
     try:
-        assert tuners_utils.init_empty_weights.__module__ == "metamode.integrations._peft"
+        assert tuners_utils.init_empty_weights.__module__ == "metamode.integrations.peft"
         for r in range(rounds):
             tiny.load_lora_concurrently(pipes, state_dicts[r], f"r{r}", force_overlap=True)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import metamode
-from metamode import _doctor
+from metamode._diagnostics import doctor as _doctor
 from tests.conftest import run_python
 
 CORRUPT_THEN_DOCTOR = r"""
@@ -111,7 +111,7 @@ out["sink_checks"] = {
     "buffer_device": str(nn.BatchNorm1d(2).running_mean.device),
     "dtype": str(torch.get_default_dtype()),
     "peft_skip": vars(peft_integrations._init_on_device).get("_skip"),
-    "stack_depth": metamode._stack.stack_depth(),
+    "stack_depth": metamode._core.stack.stack_depth(),
 }
 print(json.dumps(out))
 """
@@ -214,7 +214,7 @@ def test_each_finding_names_its_culprit(corrupted):
     for target, culprit in culprits.items():
         assert _finding(found, target)["culprit"].startswith(culprit), target
     modes = [f["culprit"] for f in found["findings"] if f["target"].startswith("torch-function")]
-    assert sorted(modes) == ["__main__.LeakyMode", "metamode._modes.EmptyWeights"]
+    assert sorted(modes) == ["__main__.LeakyMode", "metamode._core.modes.EmptyWeights"]
 
 
 @pytest.mark.requires_transformers_5
@@ -294,12 +294,12 @@ def test_mode_left_on_this_thread_is_reported_and_removed():
     try:
         report = metamode.doctor()
         [finding] = report.findings
-        assert finding.culprit == "metamode._modes.EmptyWeights"
+        assert finding.culprit == "metamode._core.modes.EmptyWeights"
         repaired = metamode.doctor(repair=True)
         assert repaired.findings[0].repaired and repaired.remaining == ()
         assert nn.Linear(1, 1).weight.device.type == "cpu"
     finally:
-        metamode._stack.remove(leftover)
+        metamode._core.stack.remove(leftover)
 
 
 def test_cli_exit_status_and_repair(capsys):

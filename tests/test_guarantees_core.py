@@ -18,9 +18,10 @@ from torch import nn
 from torch.overrides import _pop_mode
 
 import metamode
-from metamode import ContextMisuseError, _stack
-from metamode._invariants import snapshot
-from metamode._stack import stack_depth
+from metamode import ContextMisuseError
+from metamode._core import stack as _stack
+from metamode._core.stack import stack_depth
+from metamode._diagnostics.invariants import snapshot
 
 
 def _drain_to(depth: int) -> None:
@@ -262,7 +263,7 @@ def test_decorating_an_async_generator_is_refused():
 
 
 def test_hook_detection_ignores_foreign_hooks():
-    from metamode import _hooks
+    from metamode._core import hooks as _hooks
 
     def foreign(*args):
         return None
@@ -276,7 +277,7 @@ def test_hook_detection_ignores_foreign_hooks():
 def test_install_adds_exactly_the_missing_hook(kind):
     from torch.nn.modules import module as torch_module
 
-    from metamode import _hooks
+    from metamode._core import hooks as _hooks
 
     hooks = getattr(torch_module, f"_global_{kind}_registration_hooks")
     expected = {

@@ -67,7 +67,7 @@ def test_an_exception_in_a_thread_fails_the_test(tmp_path):
 def test_pytest_plugin_loads_through_its_entry_point_and_can_be_disabled(tmp_path):
     entry_points = importlib.metadata.entry_points(group="pytest11")
     assert [ep.value for ep in entry_points if ep.name == "metamode"] == [
-        "metamode._pytest_plugin"
+        "metamode._tools.pytest_plugin"
     ], "metamode is not installed with its pytest11 entry point (pip install -e .)"
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 import metamode
-from metamode.integrations import _enable_all
+from metamode.integrations import _registry as _enable_all
 from metamode.lab.scenarios import run_rounds
 from metamode.lab.threads import WAIT_S, run_threads, wait
 from tests.conftest import run_python
@@ -217,9 +217,9 @@ def unet_race(
 
 def _inside_load_contexts() -> bool:
     """Is the calling thread inside diffusers'/accelerate's contexts (stock or metamode)?"""
-    from metamode._modes import EmptyWeights
-    from metamode._skip_init import SkipInit
-    from metamode._stack import modes_innermost_first
+    from metamode._contexts.skip_init import SkipInit
+    from metamode._core.modes import EmptyWeights
+    from metamode._core.stack import modes_innermost_first
     from metamode.integrations._exact_skip import SkipLibraryInit
 
     skips = (EmptyWeights, SkipInit, SkipLibraryInit)
@@ -412,7 +412,7 @@ def test_accelerate_shim_rebinds_every_import_and_disable_restores(all_shims):
     import accelerate.big_modeling as big_modeling
     import accelerate.utils.bnb as bnb
 
-    from metamode.integrations import _accelerate
+    from metamode.integrations import accelerate as _accelerate
 
     assert {
         "accelerate.init_empty_weights",
@@ -444,7 +444,7 @@ def test_modules_imported_after_enable_get_the_replacement_and_lose_it_on_disabl
 
     import accelerate
 
-    from metamode.integrations import _accelerate
+    from metamode.integrations import accelerate as _accelerate
 
     late = types.ModuleType("diffusers._metamode_late_import_probe")
     exec("from accelerate import init_empty_weights", vars(late))  # what a late import does
@@ -466,7 +466,8 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
     import accelerate
     import diffusers.models.modeling_utils as modeling_utils
 
-    from metamode.integrations import _accelerate, _diffusers
+    from metamode.integrations import accelerate as _accelerate
+    from metamode.integrations import diffusers as _diffusers
 
     original = modeling_utils.no_init_weights
     try:
@@ -519,7 +520,7 @@ def test_enable_reports_every_installed_library(all_shims):
 def test_transformers_linspace_context_is_thread_scoped():
     import transformers.initialization as initialization
 
-    from metamode.integrations._transformers import LinspaceOnCpu
+    from metamode.integrations.transformers import LinspaceOnCpu
 
     original = initialization.meta_device_safe_creation_ops
     try:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from metamode._invariants import snapshot
+from metamode._diagnostics.invariants import snapshot
 
 
 class _Passthrough(TorchFunctionMode):

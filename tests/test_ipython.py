@@ -43,8 +43,8 @@ CELLS = {
     "bad_device": "%%empty_weights --device nowhere\nprint('not run')",
     "raises_tagged": "%%empty_weights\nraise ValueError('inside the magic')",
     "after_raise": (
-        "import metamode._stack\n"
-        "print(metamode._stack.stack_depth(), torch.nn.Linear(1, 1).weight.device.type)"
+        "import metamode._core.stack\n"
+        "print(metamode._core.stack.stack_depth(), torch.nn.Linear(1, 1).weight.device.type)"
     ),
     "raises": "%%empty_weights\nbroken = torch.nn.Linear(2, 2)\nraise RuntimeError('cell failed')",
 }

@@ -50,7 +50,7 @@ def test_enable_rebinds_every_by_name_import_and_disable_restores(integrations):
     assert set(bound) >= BOUND_BY_NAME
     assert {f"peft.utils.integrations.{name}" for name in NAMES} <= set(bound)
     for name in NAMES:
-        assert getattr(integrations, name).__module__ == "metamode.integrations._peft"
+        assert getattr(integrations, name).__module__ == "metamode.integrations.peft"
     assert peft.tuners.tuners_utils.init_empty_weights is integrations.init_empty_weights
     assert peft.tuners.adalora.layer._skip_init_on_device is integrations._skip_init_on_device
 
@@ -122,7 +122,7 @@ metamode.disable_for_peft()
 print(json.dumps([during, layer._skip_init_on_device.__module__]))
 """
     )
-    assert result == ["metamode.integrations._peft", "peft.utils.integrations"]
+    assert result == ["metamode.integrations.peft", "peft.utils.integrations"]
 
 
 @pytest.mark.slow

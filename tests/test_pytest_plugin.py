@@ -49,7 +49,7 @@ def _plugin_args() -> list[str]:
     entry_points = importlib.metadata.entry_points(group="pytest11")
     if any(ep.name == "metamode" for ep in entry_points):
         return []
-    return ["-p", "metamode._pytest_plugin"]
+    return ["-p", "metamode._tools.pytest_plugin"]
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def test_peft_own_init_empty_weights_is_safe_after_enable_for_peft():
     try:
         import peft.utils.integrations as integrations
 
-        assert integrations.init_empty_weights.__module__ == "metamode.integrations._peft"
+        assert integrations.init_empty_weights.__module__ == "metamode.integrations.peft"
         assert scenarios.overlap("peft-shim") == FIXED
     finally:
         metamode.disable_for_peft()

@@ -78,7 +78,7 @@ def test_doctor_names_an_open_stock_skip_block_truthfully():
 
 
 def test_disable_after_reload_restores_the_librarys_functions():
-    from metamode.integrations import _peft
+    from metamode.integrations import peft as _peft
 
     originals = {n: vars(peft_integrations)[n] for n in _peft._PEFT.replacements}
     metamode.enable_for_peft()
@@ -139,7 +139,7 @@ def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monke
     """Issue 10 §1: a version with nothing to route is not an error; enable() says why."""
     import transformers.initialization as initialization
 
-    from metamode.integrations import _enable_all
+    from metamode.integrations import _registry as _enable_all
 
     monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
     real_installed = _enable_all._installed

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 import metamode
 from metamode import ContextMisuseError
-from metamode._skip_init import SkipInit
+from metamode._contexts.skip_init import SkipInit
 from metamode.lab.threads import wait
 
 SENTINEL = 7.0

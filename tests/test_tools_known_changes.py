@@ -1,6 +1,6 @@
 """Intended global changes by torch and the libraries are not findings (issue 12, section 3).
 
-One test per entry of ``metamode._known_changes.KNOWN_CHANGES``: the real
+One test per entry of ``metamode._diagnostics.known_changes.KNOWN_CHANGES``: the real
 library makes the change in a fresh interpreter (the change is permanent, so
 it must be that process's first), and then ``doctor()`` is clean,
 ``doctor(repair=True)`` keeps the change, and the global-state snapshot
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from metamode._known_changes import KNOWN_CHANGES
+from metamode._diagnostics.known_changes import KNOWN_CHANGES
 from tests.conftest import run_python
 
 COMPILE = textwrap.dedent(
@@ -19,7 +19,7 @@ COMPILE = textwrap.dedent(
     import json
     import torch
     import metamode
-    from metamode._invariants import snapshot
+    from metamode._diagnostics.invariants import snapshot
 
     before = snapshot()
     torch_init = vars(torch.nn.Module)["__init__"]

@@ -17,7 +17,7 @@ pytest_plugins = ["pytester"]
 def test_the_entry_point_is_installed():
     entry_points = importlib.metadata.entry_points(group="pytest11")
     (entry,) = [e for e in entry_points if e.name == "metamode"]
-    assert entry.value == "metamode._pytest_plugin"
+    assert entry.value == "metamode._tools.pytest_plugin"
 
 
 def test_a_suite_that_never_uses_the_plugin_imports_neither_torch_nor_metamodes_core(pytester):
@@ -28,7 +28,7 @@ def test_a_suite_that_never_uses_the_plugin_imports_neither_torch_nor_metamodes_
         def test_plain(request):
             assert request.config.pluginmanager.has_plugin("metamode")  # loaded ...
             loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("metamode."))
-            assert loaded == ["metamode._pytest_plugin"]  # ... and nothing else
+            assert loaded == ["metamode._tools", "metamode._tools.pytest_plugin"]  # ... only
         """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
@@ -52,7 +52,7 @@ def test_leaks():
 def test_strict_mode_through_the_entry_point_and_torch_compile_is_not_a_leak(pytester):
     pytester.makepyfile(test_leak=LEAK_AND_COMPILE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--metamode-strict")
-    # torch.compile's one-time tagging of Module.__init__ is intended (metamode._known_changes).
+    # torch.compile tags Module.__init__ once, on purpose (metamode._diagnostics.known_changes).
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
         ["*ERROR at teardown of test_leaks*", "*default dtype torch.float32 -> torch.float64*"]

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.overrides
 
-from metamode._modes import ThreadScopedMode
-from metamode._skippable import split_target
+from metamode._core.modes import ThreadScopedMode
+from metamode._core.skip_rule import split_target
 
 __all__ = ["SkipLibraryInit", "library_init_names"]
 

@@ -14,8 +14,8 @@ import sys
 
 __all__ = ["core_imported"]
 
-# The module whose import installs the registration hooks (metamode._modes imports it).
-_CORE = "metamode._hooks"
+# The module whose import installs the registration hooks (metamode._core.modes imports it).
+_CORE = "metamode._core.hooks"
 
 
 def core_imported() -> bool:

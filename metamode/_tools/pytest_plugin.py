@@ -7,13 +7,13 @@ leak at the test that caused it, naming what changed and, for replaced
 functions, what replaced them.
 
 Enable it (it is registered under the ``pytest11`` entry point ``metamode``,
-or with ``-p metamode._pytest_plugin``), then either
+or with ``-p metamode._tools.pytest_plugin``), then either
 
 * strict mode for every test: ``pytest --metamode-strict``, or in the ini
   file ``metamode_strict = true``; or
 * one test at a time: request the ``metamode_clean`` fixture.
 
-What is compared is :func:`metamode._invariants.snapshot` -- attributes of
+What is compared is :func:`metamode._diagnostics.invariants.snapshot` -- attributes of
 ``torch.nn.Module``, ``torch.nn.init``, torch's factories and ``torch.Tensor``,
 torch's global registration hooks, default dtype and device, and the test
 thread's mode stack -- before the test's function-scoped fixtures are set up
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from metamode._invariants import Snapshot
+    from metamode._diagnostics.invariants import Snapshot
 
 __all__ = ["metamode_clean", "pytest_addoption"]
 
@@ -71,7 +71,7 @@ def _strict(config: pytest.Config) -> bool:
 
 def _snapshot() -> Snapshot:
     # Imported on first use (torch, metamode's hooks): see the module docstring.
-    from metamode._invariants import snapshot
+    from metamode._diagnostics.invariants import snapshot
 
     return snapshot()
 
@@ -79,7 +79,7 @@ def _snapshot() -> Snapshot:
 def _leak_message(before: Snapshot) -> str | None:
     import torch
 
-    from metamode._originals import describe
+    from metamode._diagnostics.originals import describe
 
     changes = _snapshot().changes_since(before)
     if not changes:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from metamode._modes import (
+from metamode._core.modes import (
     EmptyWeights,
     SkipEmptyWeights,
     _bare_decorator,

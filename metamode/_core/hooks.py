@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from metamode._modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
-from metamode._stack import stack_depth
+from metamode._core.modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
+from metamode._core.stack import stack_depth
 from metamode._torch import DisableTorchFunction, registration_hooks
 
 __all__ = ["installed"]

@@ -10,7 +10,7 @@ What is checked, in the running process:
 
 * ``torch.nn.Module``'s methods (``register_parameter``, ``register_buffer``,
   ...) are torch's own (the intended changes listed in
-  :mod:`metamode._known_changes`, e.g. ``torch.compile``'s tagging of
+  :mod:`metamode._diagnostics.known_changes`, e.g. ``torch.compile``'s tagging of
   ``__init__``, are not findings, and repair keeps them);
 * ``torch.nn.init``'s functions are torch's own, in ``torch.nn.init`` and in
   every loaded torch module that bound them by name
@@ -23,7 +23,7 @@ What is checked, in the running process:
 * metamode's own registration hooks are installed.
 
 Originals are recognised by *where they are defined*, not by a snapshot
-taken at import (see :mod:`metamode._originals`), so the doctor is right even
+taken at import (see :mod:`metamode._diagnostics.originals`), so the doctor is right even
 when metamode is imported after the damage. Each finding names the
 replacement's module and qualified name: that is who left it.
 
@@ -45,9 +45,13 @@ import torch
 import torch.nn.init
 from torch.nn.modules import module as _torch_module
 
-from metamode import _hooks, _known_changes, _originals, _stack, _torch
-from metamode._invariants import FACTORY_NAMES
-from metamode._originals import FunctionSlot
+from metamode import _torch
+from metamode._core import hooks as _hooks
+from metamode._core import stack as _stack
+from metamode._diagnostics import known_changes as _known_changes
+from metamode._diagnostics import originals as _originals
+from metamode._diagnostics.invariants import FACTORY_NAMES
+from metamode._diagnostics.originals import FunctionSlot
 
 __all__ = ["DoctorReport", "Finding", "doctor", "main"]
 
@@ -252,7 +256,7 @@ def _check_slots(owner: object, label: str, slots: dict[str, FunctionSlot]) -> l
     for name, slot in slots.items():
         current = namespace.get(name, _MISSING)
         if current is not _MISSING:
-            # Intended changes (metamode._known_changes) are not findings:
+            # Intended changes (metamode._diagnostics.known_changes) are not findings:
             # judge what a recognised wrapper wraps.
             current = _known_changes.underlying(owner, name, current)
         if current is not _MISSING and slot.is_original(current):
@@ -367,7 +371,7 @@ def _peft_init_on_device_functions() -> list[object]:
     if integrations is None:
         return []
     functions = [vars(integrations).get("_init_on_device")]
-    from metamode.integrations import _peft
+    from metamode.integrations import peft as _peft
 
     functions.append(_peft._PEFT._originals.get("_init_on_device"))
     return [f for f in dict.fromkeys(functions) if f is not None]

@@ -9,9 +9,9 @@ Two things need more than a mode, and both live elsewhere:
 
 * moving *parameters* (and, with ``include_buffers``, buffers) happens when
   they are registered on a module -- an event a mode cannot see -- so
-  :mod:`metamode._hooks` installs torch's official registration hooks, which
+  :mod:`metamode._core.hooks` installs torch's official registration hooks, which
   ask this module's :func:`active_empty_weights` what to do;
-* copying a parameter faithfully is :mod:`metamode._params`' job.
+* copying a parameter faithfully is :mod:`metamode._core.params`' job.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from metamode import _stack
-from metamode._params import moved_parameter, moved_tensor
-from metamode._skippable import skipped_target
+from metamode._core import stack as _stack
+from metamode._core.params import moved_parameter, moved_tensor
+from metamode._core.skip_rule import skipped_target
+from metamode._core.trace import Trace
 from metamode._torch import device_constructors, pop_mode, push_mode
-from metamode._trace import Trace
 
 __all__ = [
     "ContextMisuseError",
@@ -68,7 +68,7 @@ class ContextMisuseError(RuntimeError):
 class LoadedIntoEmptyWeightsWarning(UserWarning):
     """``load_state_dict(assign=True)`` ran inside an empty-weights block and was undone.
 
-    (Defined here, not in :mod:`metamode._hooks`, so reloading that module
+    (Defined here, not in :mod:`metamode._core.hooks`, so reloading that module
     cannot make the class the hooks raise differ from the one users filter.)
     """
 
@@ -276,7 +276,7 @@ class EmptyWeights(ThreadScopedMode):
     """Build modules with their parameters (and optionally buffers) on ``device``.
 
     Create it with :func:`metamode.empty_weights`. Parameters are moved when
-    they are registered, by :mod:`metamode._hooks`; this mode's own
+    they are registered, by :mod:`metamode._core.hooks`; this mode's own
     ``__torch_function__`` does two cheaper things for the calls that build a
     module:
 
@@ -287,7 +287,7 @@ class EmptyWeights(ThreadScopedMode):
     * it returns early from value-initialising calls on meta tensors
       (``nn.init.*``, ``uniform_``, ``fill_``, ...): on meta they compute
       nothing, yet cost a Python meta kernel each. See
-      :mod:`metamode._skippable` for the exact rule.
+      :mod:`metamode._core.skip_rule` for the exact rule.
     """
 
     def __init__(
@@ -304,7 +304,7 @@ class EmptyWeights(ThreadScopedMode):
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
         # huge model's CPU originals are not kept alive by the context.
         self._moved: torch.utils.weak.WeakIdKeyDictionary | None = None
-        # What metamode.materialize replays (metamode._trace); meta device only.
+        # What metamode.materialize replays (metamode._core.trace); meta device only.
         self._trace: Trace | None = None
 
     def _fresh(self) -> EmptyWeights:
@@ -455,5 +455,5 @@ def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
 
 # Installs the registration hooks. Here, in the module every context class comes
 # from, so the hooks are in place before any context can be entered; at the end,
-# because metamode._hooks imports active_empty_weights from this module.
-from metamode import _hooks  # noqa: E402, F401
+# because metamode._core.hooks imports active_empty_weights from this module.
+from metamode._core import hooks as _hooks  # noqa: E402, F401

@@ -6,13 +6,13 @@ the change staying: ``torch.compile`` wraps ``Module.__init__`` and
 it never wraps them again), transformers 5 adds ``Module.smart_apply`` on the
 first ``initialize_weights``. They are not leaks. :func:`metamode.doctor`
 does not report them and its repair never undoes them, and
-:func:`metamode._invariants.snapshot` (used by ``hammer``, the pytest plugin
+:func:`metamode._diagnostics.invariants.snapshot` (used by ``hammer``, the pytest plugin
 and the test suite's guard) sees through them. Every entry has a test in
 ``tests/test_tools_known_changes.py`` that makes the real library perform it.
 
 An entry is recognised by *where the replacement was compiled*: the module
 that defines it (its ``__globals__`` is that module's dict) and its qualified
-name, like :class:`metamode._originals.FunctionSlot` recognises torch's own.
+name, like :class:`metamode._diagnostics.originals.FunctionSlot` recognises torch's own.
 A wrapper counts only if what it wraps (the named closure variable) is itself
 torch's own or another recognised change.
 """

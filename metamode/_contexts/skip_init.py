@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
-from metamode._modes import ThreadScopedMode, _bare_decorator
-from metamode._skippable import (
+from metamode._core.modes import ThreadScopedMode, _bare_decorator
+from metamode._core.skip_rule import (
     OVERWRITING_METHOD_NAMES,
     bound_in_nn_init,
     dispatches_plainly,
@@ -121,7 +121,7 @@ def skip_init(_bare: object = None, /) -> SkipInit:
     diffusers' ``no_init_weights`` without assigning anything in
     ``torch.nn.init``. Other threads build and initialise modules as usual.
     Buffers and plain tensors are always written; the exact rule is in
-    :mod:`metamode._skip_init`.
+    :mod:`metamode._contexts.skip_init`.
 
     Use it only when every parameter is about to be overwritten (loading a
     checkpoint); parameters left out keep arbitrary values.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from metamode._materialize import _slots, _traces, _why_not
+from metamode._contexts.materialize import _slots, _traces, _why_not
 
 __all__ = ["Summary", "SummaryRow", "summary"]
 

@@ -9,7 +9,7 @@
   re-enables initialisation under the loads still running.
 * with ``low_cpu_mem_usage=True`` (the default), ``accelerate.init_empty_weights()``,
   which patches ``torch.nn.Module.register_parameter`` and can leak the patch
-  (see :mod:`metamode.integrations._accelerate`).
+  (see :mod:`metamode.integrations.accelerate`).
 
 The shim rebinds ``no_init_weights`` to a thread-scoped context that skips
 exactly the calls diffusers' skips -- ``torch.nn.init.<name>`` for the names
@@ -30,9 +30,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from metamode.integrations import _accelerate
+from metamode.integrations import accelerate as _accelerate
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
+from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_diffusers", "enable_for_diffusers"]
 
@@ -122,3 +123,14 @@ def disable_for_diffusers() -> tuple[str, ...]:
 
 def diffusers_enabled() -> bool:
     return _DIFFUSERS.enabled
+
+
+register(
+    Integration(
+        "diffusers",
+        enable_for_diffusers,
+        disable_for_diffusers,
+        diffusers_enabled,
+        after=("accelerate",),
+    )
+)

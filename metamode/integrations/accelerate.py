@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from metamode._contexts import init_empty_weights as _init_empty_weights
-from metamode._contexts import init_on_device as _init_on_device
-from metamode._modes import EmptyWeights
+from metamode._contexts.empty_weights import init_empty_weights as _init_empty_weights
+from metamode._contexts.empty_weights import init_on_device as _init_on_device
+from metamode._core.modes import EmptyWeights
 from metamode.integrations._rebind import Rebinding
+from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_accelerate", "enable_for_accelerate"]
 
@@ -81,3 +82,8 @@ def disable_for_accelerate() -> tuple[str, ...]:
 
 def accelerate_enabled() -> bool:
     return _ACCELERATE.enabled
+
+
+register(
+    Integration("accelerate", enable_for_accelerate, disable_for_accelerate, accelerate_enabled)
+)

@@ -1,14 +1,41 @@
-"""``metamode.enable()``: every integration whose library is installed, at once."""
+"""``metamode.enable()``: every integration whose library is installed, at once.
+
+Each public module of :mod:`metamode.integrations` (one per library) calls
+:func:`register` when imported; :func:`_integrations` imports them all, so a
+new shim is one new file and nothing here lists them.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
+import pkgutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from metamode.integrations._rebind import _LOCK, SHARED
 
-__all__ = ["EnableResult", "disable", "enable", "enabled", "is_enabled"]
+__all__ = ["EnableResult", "Integration", "disable", "enable", "enabled", "is_enabled", "register"]
+
+
+@dataclass(frozen=True)
+class Integration:
+    """One library's shim: how to turn it on and off, and which shims it must follow."""
+
+    library: str
+    enable: Callable[[], tuple[str, ...]]
+    disable: Callable[[], tuple[str, ...]]
+    is_enabled: Callable[[], bool]
+    after: tuple[str, ...] = ()
+
+
+_REGISTERED: dict[str, Integration] = {}
+
+
+def register(integration: Integration) -> None:
+    """Called by each integration module at import."""
+    _REGISTERED[integration.library] = integration
 
 
 class EnableResult(dict[str, tuple[str, ...]]):
@@ -28,34 +55,23 @@ class EnableResult(dict[str, tuple[str, ...]]):
 
 
 def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
-    """(library, enable, disable, is_enabled), in the order they are enabled.
+    """(library, enable, disable, is_enabled) for every shim, each after those it names."""
+    import metamode.integrations as package
 
-    accelerate comes before diffusers, whose shim turns accelerate's on if it
-    is off: this way it never has to.
-    """
-    from metamode.integrations import _accelerate, _diffusers, _peft, _transformers
+    for module in pkgutil.iter_modules(package.__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    ordered: list[Integration] = []
 
-    return [
-        ("peft", _peft.enable_for_peft, _peft.disable_for_peft, _peft.peft_enabled),
-        (
-            "accelerate",
-            _accelerate.enable_for_accelerate,
-            _accelerate.disable_for_accelerate,
-            _accelerate.accelerate_enabled,
-        ),
-        (
-            "diffusers",
-            _diffusers.enable_for_diffusers,
-            _diffusers.disable_for_diffusers,
-            _diffusers.diffusers_enabled,
-        ),
-        (
-            "transformers",
-            _transformers.enable_for_transformers,
-            _transformers.disable_for_transformers,
-            _transformers.transformers_enabled,
-        ),
-    ]
+    def place(integration: Integration) -> None:
+        if integration not in ordered:
+            for name in integration.after:
+                place(_REGISTERED[name])
+            ordered.append(integration)
+
+    for name in sorted(_REGISTERED):
+        place(_REGISTERED[name])
+    return [(i.library, i.enable, i.disable, i.is_enabled) for i in ordered]
 
 
 def _installed(library: str) -> bool:

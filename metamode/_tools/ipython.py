@@ -30,7 +30,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from metamode._contexts import empty_weights
+from metamode._contexts.empty_weights import empty_weights
 
 __all__ = ["EmptyWeightsMagics", "load_ipython_extension"]
 

@@ -4,7 +4,7 @@ Empty-weight helpers elsewhere corrupt exactly these things: class attributes
 of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
 functions, the default dtype and device, torch's global registration hooks,
 and the calling thread's mode stack (seen through the intended changes listed
-in :mod:`metamode._known_changes`). Taking a snapshot before and comparing
+in :mod:`metamode._diagnostics.known_changes`). Taking a snapshot before and comparing
 after is how the test suite proves that metamode leaves nothing behind.
 """
 
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from metamode import _hooks, _known_changes, _torch  # noqa: F401  (hooks before any snapshot)
-from metamode._stack import stack_depth
+from metamode import _torch
+from metamode._core import hooks as _hooks  # noqa: F401  (hooks before any snapshot)
+from metamode._core.stack import stack_depth
+from metamode._diagnostics import known_changes as _known_changes
 
 __all__ = ["Snapshot", "snapshot", "FACTORY_NAMES"]
 
@@ -72,7 +74,7 @@ class Snapshot:
 
 
 def _identities(owner: object, names=None) -> dict[str, int]:
-    # Known, intended changes (metamode._known_changes) are seen through: a
+    # Known, intended changes (metamode._diagnostics.known_changes) are seen through: a
     # recognised wrapper counts as what it wraps, a recognised addition and
     # its "done" flags as absent.
     namespace = vars(owner)

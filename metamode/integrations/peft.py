@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from metamode._contexts import empty_weights, skip_empty_weights
-from metamode._modes import EmptyWeights, SkipEmptyWeights
+from metamode._contexts.empty_weights import empty_weights, skip_empty_weights
+from metamode._core.modes import EmptyWeights, SkipEmptyWeights
 from metamode.integrations._rebind import _LOCK, SHARED, Rebinding
+from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_peft", "enable_for_peft"]
 
@@ -154,3 +155,6 @@ def disable_for_peft() -> tuple[str, ...]:
 
 def peft_enabled() -> bool:
     return _PEFT.enabled
+
+
+register(Integration("peft", enable_for_peft, disable_for_peft, peft_enabled))

@@ -6,7 +6,7 @@ The rule, exactly:
   ``metamode.empty_weights(replayable=True)`` context, in either mode, is filled with what
   ``torch.manual_seed(s); build()`` puts there when the context was entered
   right after ``torch.manual_seed(s)``: the context recorded its thread's
-  torch calls (:mod:`metamode._trace`) and the default CPU generator's state
+  torch calls (:mod:`metamode._core.trace`) and the default CPU generator's state
   at entry, and materialize replays them on CPU from that state with a private
   generator. This holds for a submodule too: its values equal the eager
   build's, because the replay draws every random number drawn before them
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from metamode import _torch
-from metamode._trace import (
+from metamode._core.trace import (
     Op,
     Trace,
     _Gen,
@@ -156,7 +156,7 @@ def materialize(
     ``device`` defaults to ``"cpu"``, where eager construction (no device
     context) puts them; values are always computed on CPU, one tensor moved to
     ``device`` at a time, so they are bitwise the CPU eager values anywhere.
-    Returns ``module`` itself. See :mod:`metamode._materialize` for the exact
+    Returns ``module`` itself. See :mod:`metamode._contexts.materialize` for the exact
     rule, generators and thread-safety: it may run while other threads build or
     materialize other modules; do not materialize one module from two threads.
 

@@ -61,10 +61,11 @@ import threading
 
 import torch
 
-from metamode._contexts import init_on_device as _init_on_device
-from metamode._modes import EmptyWeights, ThreadScopedMode
+from metamode._contexts.empty_weights import init_on_device as _init_on_device
+from metamode._core.modes import EmptyWeights, ThreadScopedMode
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
+from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_transformers", "enable_for_transformers"]
 
@@ -88,7 +89,7 @@ class LinspaceOnCpu(ThreadScopedMode):
         return ()
 
     def __repr__(self) -> str:
-        return "metamode.integrations._transformers.LinspaceOnCpu()"
+        return "metamode.integrations.transformers.LinspaceOnCpu()"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -156,7 +157,7 @@ class NoInitWeights(SkipLibraryInit):
         self._flag.set(self._previous)
 
     def __repr__(self) -> str:
-        return "metamode.integrations._transformers.NoInitWeights()"
+        return "metamode.integrations.transformers.NoInitWeights()"
 
 
 def init_empty_weights(include_buffers: bool = False) -> EmptyWeights:
@@ -251,7 +252,7 @@ def enable_for_transformers() -> tuple[str, ...]:
     This does **not** make concurrent ``from_pretrained`` calls safe: the
     default dtype, ``PreTrainedModel.tie_weights`` and ``torch.nn.init`` are
     still set process-wide by transformers, for the reasons in
-    :mod:`metamode.integrations._transformers`.
+    :mod:`metamode.integrations.transformers`.
 
     On transformers 4.x (no ``transformers.initialization``) it instead
     rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` to
@@ -293,3 +294,10 @@ def disable_for_transformers() -> tuple[str, ...]:
 
 def transformers_enabled() -> bool:
     return _TRANSFORMERS.enabled or _TRANSFORMERS_4.enabled
+
+
+register(
+    Integration(
+        "transformers", enable_for_transformers, disable_for_transformers, transformers_enabled
+    )
+)

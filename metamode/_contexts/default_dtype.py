@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from metamode._modes import ThreadScopedMode
+from metamode._core.modes import ThreadScopedMode
 
 __all__ = ["DefaultDtype", "default_dtype"]
 
@@ -262,7 +262,7 @@ def default_dtype(dtype: torch.dtype) -> DefaultDtype:
     ``torch.set_default_dtype``, nothing changes for other threads, and
     ``torch.get_default_dtype()`` keeps returning the process-wide value. The
     per-factory rules and what the context cannot reach are in
-    :mod:`metamode._default_dtype`. Nested contexts: the innermost wins.
+    :mod:`metamode._contexts.default_dtype`. Nested contexts: the innermost wins.
 
     Args:
         dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or

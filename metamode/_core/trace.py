@@ -1,6 +1,6 @@
 """Recording what an empty-weights context built, so it can be replayed later.
 
-An :class:`~metamode._modes.EmptyWeights` context sees every top-level torch
+An :class:`~metamode._core.modes.EmptyWeights` context sees every top-level torch
 call its thread makes (calls made *inside* another call's handling never reach
 a mode). :class:`Trace` keeps them as a straight-line program: each call with
 its non-tensor arguments, every tensor replaced by a symbolic value id. No

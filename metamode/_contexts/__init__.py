@@ -1,0 +1,1 @@
+"""Layer 2, the public contexts and materialize(), built on :mod:`metamode._core`."""

@@ -1,0 +1,1 @@
+"""Layer 4: doctor, the originals of torch's functions, the global-state snapshot, summary."""
