@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,8 +74,14 @@ def _installed_major(package: str) -> int | None:
         return None
 
 
+_INTEGRATION = Path(__file__).parent / "integration"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect tests whose version-requirement marker the installed libraries do not meet."""
+    """Mark tests/integration slow; deselect tests whose version requirement is unmet."""
+    for item in items:
+        if _INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.slow)
     unmet = {
         name
         for name, (package, major) in _VERSION_MARKERS.items()

@@ -10,7 +10,7 @@ This mode gives the calling thread the part of that setting that matters
 when building a model: the dtype *factory functions* pick when none is
 given. The specification is "what the call would return after
 ``torch.set_default_dtype(dtype)``", factory by factory
-(``tests/test_default_dtype.py`` checks it against the real setting):
+(``tests/unit/contexts/test_default_dtype.py`` checks it against the real setting):
 
 * always floating -- ``empty``, ``empty_strided``, ``empty_permuted``,
   ``zeros``, ``ones``, ``rand``, ``randn``, ``eye``, ``scalar_tensor``, the

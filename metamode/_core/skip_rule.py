@@ -34,7 +34,7 @@ What a skipped call does not do: bump the tensor's version counter, or raise
 the dtype errors a real in-place call could (``mul_(0.5)`` on an integer meta
 tensor). Neither changes the model that comes out: its module structure,
 shapes, dtypes, devices, ``requires_grad`` and parameter identities are
-exactly those of the unskipped build (``tests/test_bench.py`` checks this on
+exactly those of the unskipped build (``tests/integration/test_bench.py`` checks this on
 pure-torch, transformers, diffusers and PEFT models).
 
 Dunder methods are never in the set, so operators pass through untouched.

@@ -8,7 +8,7 @@ first ``initialize_weights``. They are not leaks. :func:`metamode.doctor`
 does not report them and its repair never undoes them, and
 :func:`metamode._diagnostics.invariants.snapshot` (used by ``hammer``, the pytest plugin
 and the test suite's guard) sees through them. Every entry has a test in
-``tests/test_tools_known_changes.py`` that makes the real library perform it.
+``tests/unit/diagnostics/test_known_changes.py`` that makes the real library perform it.
 
 An entry is recognised by *where the replacement was compiled*: the module
 that defines it (its ``__globals__`` is that module's dict) and its qualified

@@ -19,7 +19,7 @@ The others stay as they are (README, "Limitations"):
   ``torch.get_default_dtype()``, which no mode can reach, and several build a
   buffer with it in ``__init__`` (XGLM, M2M100, Musicgen...): loaded with
   ``dtype=torch.float16`` they would keep a float32 buffer and fail in
-  ``forward`` (``tests/test_integrations_hf.py`` shows the buffer on XGLM). A
+  ``forward`` (``tests/integration/test_integrations_hf.py`` shows the buffer on XGLM). A
   per-thread default dtype needs torch's help (pytorch#120819, #144673).
 * ``initialization.no_tie_weights`` assigns ``PreTrainedModel.tie_weights``,
   and ``no_init_weights`` (DeepSpeed ZeRO-3 only) ``PreTrainedModel.init_weights``:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from metamode._diagnostics.known_changes import KNOWN_CHANGES
 from tests.conftest import run_python
 
@@ -53,6 +55,7 @@ COMPILE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_torch_compile_tagging_is_not_a_finding_and_repair_keeps_it():
     out = run_python(COMPILE.format(patch=""))
     assert out["dynamo_wrapped"], "torch.compile no longer wraps Module.__init__: test is moot"
@@ -63,6 +66,7 @@ def test_torch_compile_tagging_is_not_a_finding_and_repair_keeps_it():
     assert out["snapshot_changes"] == []
 
 
+@pytest.mark.slow
 def test_a_patch_under_torch_compiles_wrapper_is_found_and_repaired_beneath_it():
     # Someone patched __init__ before the first torch.compile: dynamo wraps the patch.
     patch = (
@@ -112,6 +116,7 @@ GPT2 = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_transformers_smart_apply_is_not_a_finding_and_hammer_passes_round_0():
     out = run_python(GPT2)
     assert not out["had_it"] and out["has_it"], "transformers no longer adds smart_apply"

@@ -7,7 +7,7 @@ import threading
 import torch
 
 import metamode
-from tests.test_materialize_zoo import Custom, _tensors
+from tests.unit.contexts.test_materialize import Custom, _tensors
 
 _WAIT_S = 60.0  # guards against a hang; never used for ordering
 

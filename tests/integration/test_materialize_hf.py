@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel
 
-from tests.test_materialize_zoo import MODES, assert_eager_equal
+from tests.unit.contexts.test_materialize import MODES, assert_eager_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

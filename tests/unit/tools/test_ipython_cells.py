@@ -1,6 +1,6 @@
 """``%%empty_weights`` behaves like other cell magics (issue 12, section 7).
 
-In-process ``InteractiveShell`` (tests/test_ipython.py runs a real kernel for
+In-process ``InteractiveShell`` (tests/unit/tools/test_ipython.py runs a real kernel for
 the rest): a trailing ``;`` suppresses the output, and a traceback from the
 cell shows the cell's frames, not metamode's.
 """

@@ -238,7 +238,9 @@ def test_decorating_async_or_generator_functions_is_refused():
 
 
 def test_init_is_skipped_only_for_meta_tensors():
-    from tests.test_bench import InitKernelRecorder  # counts value-writing kernels on meta
+    from tests.unit.core.test_skip_rule import (
+        InitKernelRecorder,  # counts value-writing kernels on meta
+    )
 
     torch.manual_seed(0)
     expected = torch.nn.init.uniform_(torch.zeros(4))

@@ -306,7 +306,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import torch
 torch.set_num_threads(1)
-from tests.test_integrations_hf import unet_race
+from tests.integration.test_integrations_hf import unet_race
 if {enable!r}:
     import metamode
     metamode.enable()
@@ -565,7 +565,7 @@ sys.path.insert(0, {repo!r})
 warnings.filterwarnings("ignore")
 import torch
 torch.set_num_threads(1)
-from tests.test_integrations_hf import llama_race, xglm_buffer_dtypes
+from tests.integration.test_integrations_hf import llama_race, xglm_buffer_dtypes
 result = {{}}
 if {enable!r}:
     import metamode

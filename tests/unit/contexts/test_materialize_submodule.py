@@ -14,7 +14,7 @@ import transformers as tf
 from torch import nn
 
 import metamode
-from tests.test_materialize_zoo import MODES, Custom, _tensors
+from tests.unit.contexts.test_materialize import MODES, Custom, _tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
