@@ -11,6 +11,10 @@ context, so entering and leaving contexts changes no global state -- and never
 removed: removing a hook while another thread iterates torch's hook dict can
 raise. When no metamode context is active in the calling thread the hooks
 return after one C call (``len`` of the thread's mode stack).
+
+Besides placing tensors, the hooks let a :class:`metamode._modes.KeepRegistered`
+mode keep a module's existing parameter or buffer when a different one is
+assigned under the same name (a hook may return the tensor to register).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch._C import DisableTorchFunction
 from torch.nn import Parameter
 from torch.nn.modules import module as _torch_module
 
-from metamode._modes import active_empty_weights
+from metamode._modes import active_empty_weights, kept_registration
 from metamode._stack import stack_depth
 
 __all__ = ["installed"]
@@ -30,6 +34,9 @@ __all__ = ["installed"]
 def _on_parameter_registered(module, name, param):
     if not stack_depth():
         return None
+    kept = kept_registration(module, name, param, module._parameters.get(name))
+    if kept is not None:
+        return kept
     context = active_empty_weights()
     if context is None:
         return None
@@ -46,6 +53,9 @@ def _on_parameter_registered(module, name, param):
 def _on_buffer_registered(module, name, tensor):
     if tensor is None or not stack_depth():
         return None
+    kept = kept_registration(module, name, tensor, module._buffers.get(name))
+    if kept is not None:
+        return kept
     context = active_empty_weights()
     if context is None:
         return None

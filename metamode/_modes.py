@@ -33,6 +33,7 @@ from metamode._skippable import skipped_target
 __all__ = [
     "ContextMisuseError",
     "EmptyWeights",
+    "KeepRegistered",
     "SkipEmptyWeights",
     "ThreadScopedMode",
     "active_empty_weights",
@@ -266,6 +267,27 @@ class SkipEmptyWeights(ThreadScopedMode):
         return func(*args, **(kwargs or {}))
 
 
+class KeepRegistered(ThreadScopedMode):
+    """Base for modes that may keep a module's parameter (or buffer) when code
+    running in this thread assigns a different one under the same name.
+
+    The registration hooks (:mod:`metamode._hooks`) ask the innermost such
+    mode, and only when ``module`` already holds a *different* tensor under
+    ``name`` -- a re-assignment, which building a module rarely does -- so the
+    question costs nothing on ordinary registrations. If :meth:`keeps` says
+    yes, the hook returns the existing tensor and torch registers it again in
+    place of the new one: the assignment changes nothing. Used by the
+    transformers shim to stop weight tying in one thread.
+    """
+
+    def keeps(self, module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
+        """True to keep ``module``'s current ``name`` instead of ``value``."""
+        raise NotImplementedError
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 _SCOPES = (EmptyWeights, SkipEmptyWeights)
 
 
@@ -273,6 +295,19 @@ def active_empty_weights() -> EmptyWeights | None:
     """The empty-weights context governing this thread now, or None."""
     mode = _stack.innermost(_SCOPES)
     return mode if isinstance(mode, EmptyWeights) else None
+
+
+def kept_registration(
+    module: torch.nn.Module, name: str, value: torch.Tensor, existing: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``existing`` if this thread's innermost :class:`KeepRegistered` keeps it
+    in place of ``value``, else None. Called by the registration hooks."""
+    if existing is None or existing is value:
+        return None
+    guard = _stack.innermost(KeepRegistered)
+    if guard is not None and guard.keeps(module, name, value):
+        return existing
+    return None
 
 
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:

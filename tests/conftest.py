@@ -65,16 +65,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect (never skip) ``requires_transformers_4`` tests unless transformers 4.x is here."""
+    """Deselect (never skip) ``requires_transformers_N`` tests (N = 4, 5) unless
+    transformers N.x is here."""
     import importlib.metadata
 
     try:
         major = int(importlib.metadata.version("transformers").split(".")[0])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         major = None
-    if major == 4:
-        return
-    deselected = [item for item in items if item.get_closest_marker("requires_transformers_4")]
+    other = [f"requires_transformers_{n}" for n in (4, 5) if n != major]
+    deselected = [item for item in items if any(item.get_closest_marker(m) for m in other)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item not in deselected]
