@@ -356,31 +356,65 @@ def test_forced_overlap_of_two_loads_leaks_nothing(shim, gpt2_checkpoint):
         assert tie_state(model) == {"tied": True, "lm_head_device": "cpu"}
 
 
-def test_concurrent_loads_stress_leak_nothing(shim, gpt2_checkpoint, one_intra_op_thread):
-    """Free-running: two threads released by a barrier, 1 µs switch interval."""
+def stress_loads(directory: str, rounds: int) -> dict[str, Any]:
+    """Free-running: two threads released by a barrier per round, 1 µs switch interval."""
+    import transformers
     from transformers import GPT2LMHeadModel
     from transformers.modeling_utils import PreTrainedModel
 
+    transformers.logging.set_verbosity_error()
+    save_gpt2(directory)
     original = vars(PreTrainedModel)["tie_weights"]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     loaded: list[nn.Module] = []
     leaks = 0
     try:
-        for _ in range(_STRESS_ROUNDS):
+        for _ in range(rounds):
             barrier = threading.Barrier(2, timeout=60)
 
             def load(barrier: threading.Barrier = barrier) -> None:
                 barrier.wait()
-                loaded.append(GPT2LMHeadModel.from_pretrained(gpt2_checkpoint))
+                loaded.append(GPT2LMHeadModel.from_pretrained(directory))
 
             _run_threads([load, load])
             leaks += vars(PreTrainedModel)["tie_weights"] is not original
     finally:
         sys.setswitchinterval(interval)
-    assert leaks == 0
-    assert len(loaded) == 2 * _STRESS_ROUNDS
-    assert all(tie_state(m) == {"tied": True, "lm_head_device": "cpu"} for m in loaded)
+    states = [tie_state(model) for model in loaded]
+    return {
+        "leaks": leaks,
+        "loaded": len(loaded),
+        "bad": [s for s in states if s != {"tied": True, "lm_head_device": "cpu"}],
+        "interval_restored": sys.getswitchinterval() == interval,
+    }
+
+
+_STRESS_SUBPROCESS = """
+import json, sys, warnings
+sys.path.insert(0, {repo!r})
+warnings.filterwarnings("ignore")
+import torch
+torch.set_num_threads(1)
+import metamode
+metamode.enable()
+from tests.test_shims_transformers_ties import stress_loads
+print(json.dumps(stress_loads({directory!r}, {rounds!r})))
+"""
+
+
+def test_concurrent_loads_stress_leak_nothing(tmp_path):
+    """In a subprocess: concurrent loads still race on transformers' other global
+    patches (``torch.nn.init`` around ``initialize_weights``; README, Limitations)."""
+    result = run_python(
+        _STRESS_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path), rounds=_STRESS_ROUNDS)
+    )
+    assert result == {
+        "leaks": 0,
+        "loaded": 2 * _STRESS_ROUNDS,
+        "bad": [],
+        "interval_restored": True,
+    }
 
 
 def test_a_bystander_thread_still_ties(shim):
