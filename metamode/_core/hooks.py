@@ -23,7 +23,11 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from metamode._core.modes import LoadedIntoEmptyWeightsWarning, active_empty_weights
+from metamode._core.modes import (
+    LoadedIntoEmptyWeightsWarning,
+    active_empty_weights,
+    kept_registration,
+)
 from metamode._core.stack import stack_depth
 from metamode._torch import DisableTorchFunction, registration_hooks
 
@@ -33,6 +37,11 @@ __all__ = ["installed"]
 def _on_parameter_registered(module, name, param):
     if not stack_depth():
         return None
+    existing = module._parameters.get(name)
+    if existing is not None and existing is not param:  # a re-assignment: rare
+        kept = kept_registration(module, name, param, existing)
+        if kept is not None:
+            return kept
     context = active_empty_weights()
     if context is None:
         return None
@@ -88,6 +97,11 @@ _TORCH_MODULE_FILE = _LOAD_FROM_STATE_DICT.co_filename
 def _on_buffer_registered(module, name, tensor):
     if tensor is None or not stack_depth():
         return None
+    existing = module._buffers.get(name)
+    if existing is not None and existing is not tensor:
+        kept = kept_registration(module, name, tensor, existing)
+        if kept is not None:
+            return kept
     context = active_empty_weights()
     if context is None:
         return None

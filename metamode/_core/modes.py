@@ -35,6 +35,7 @@ from metamode._torch import device_constructors, pop_mode, push_mode
 __all__ = [
     "ContextMisuseError",
     "EmptyWeights",
+    "KeepRegistered",
     "LoadedIntoEmptyWeightsWarning",
     "SkipEmptyWeights",
     "ThreadScopedMode",
@@ -419,6 +420,22 @@ class SkipEmptyWeights(ThreadScopedMode):
     _after_refused_exit = _before_exit  # an inert skip suspends nothing
 
 
+class KeepRegistered(ThreadScopedMode):
+    """Base for modes that may keep a module's parameter (or buffer) when code
+    running in this thread assigns a different one under the same name.
+
+    The registration hooks ask the innermost such mode, and only when
+    ``module`` already holds a *different* tensor under ``name``. If
+    :meth:`keeps` says yes, the hook returns the existing tensor, so the
+    assignment changes nothing. (The transformers shim stops weight tying in
+    one thread this way.)
+    """
+
+    def keeps(self, module: torch.nn.Module, name: str, value: torch.Tensor) -> bool:
+        """True to keep ``module``'s current ``name`` instead of ``value``."""
+        raise NotImplementedError
+
+
 _SCOPES = (EmptyWeights, SkipEmptyWeights)
 
 
@@ -426,6 +443,19 @@ def active_empty_weights() -> EmptyWeights | None:
     """The empty-weights context governing this thread now, or None."""
     mode = _stack.innermost(_SCOPES, skip_inert=True)
     return mode if isinstance(mode, EmptyWeights) else None
+
+
+def kept_registration(
+    module: torch.nn.Module, name: str, value: torch.Tensor, existing: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``existing`` if this thread's innermost :class:`KeepRegistered` keeps it
+    in place of ``value``, else None. Called by the registration hooks."""
+    if existing is None or existing is value:
+        return None
+    guard = _stack.innermost(KeepRegistered, skip_inert=True)
+    if guard is not None and guard.keeps(module, name, value):
+        return existing
+    return None
 
 
 def _bare_decorator(name: str, func: object) -> str:

@@ -163,7 +163,9 @@ class Rebinding:
                 setattr(module, attr, replacement)
 
     def _describe(self) -> tuple[str, ...]:
-        return tuple(sorted(f"{m.__name__}.{a}" for m, a, _ in self._ours()))
+        # Only this shim's names: two shims may share a home module.
+        names = set(self.replacements)
+        return tuple(sorted(f"{m.__name__}.{a}" for m, a, tag in self._ours() if tag[1] in names))
 
     def _import_home(self) -> ModuleType:
         try:

@@ -2,16 +2,32 @@
 
 ``PreTrainedModel.from_pretrained`` (transformers 5) builds the model inside
 the contexts listed by ``get_init_context``, and every one of them changes
-process-global state. Only one can be made thread-scoped without changing
-what the model comes out as:
+process-global state. Two can be made thread-scoped without changing what
+the model comes out as; transformers looks both up at call time
+(``init.meta_device_safe_creation_ops()``, ``init.no_tie_weights()``), so the
+shim rebinds the names in ``transformers.initialization``:
 
-* ``transformers.initialization.meta_device_safe_creation_ops()`` assigns a
-  wrapper to ``torch.linspace`` (every thread's ``linspace`` defaults to cpu
-  meanwhile, and overlapping loads can leave the wrapper in place). The shim
-  rebinds it -- transformers looks it up at call time -- to a mode doing the
-  same for the calling thread only.
+* ``meta_device_safe_creation_ops()`` assigns a wrapper to ``torch.linspace``
+  (every thread's ``linspace`` defaults to cpu meanwhile, and overlapping
+  loads can leave the wrapper in place). Rebound to a mode doing the same for
+  the calling thread only.
+* ``no_tie_weights()`` assigns ``PreTrainedModel.tie_weights`` a no-op and
+  restores what it captured: two overlapping loads (A enters, B enters, A
+  exits, B exits) leave the no-op on the class, and every tied model loaded
+  afterwards keeps ``lm_head.weight`` on meta, untied. Rebound to
+  :class:`NoTieWeights`: ``PreTrainedModel.tie_weights`` ties by
+  ``setattr(parent, name, source_param)``, which registers the parameter
+  through torch's global registration hooks; while the mode is on the calling
+  thread's stack, metamode's hooks keep the tensor the module already holds
+  when the assignment comes from ``tie_weights``'s body. The model is built
+  exactly as stock's no-op leaves it (``tests/test_shims_transformers_ties.py``
+  compares both, and ``from_pretrained`` with and without the shim); after
+  loading, transformers ties again, outside the context.
 
-The others stay as they are (README, "Limitations"):
+The shim rebinds whichever of the two names the installed 5.x has (5.23 and
+5.24 have both, with the same code) and leaves transformers alone, saying so
+in ``EnableResult.left_alone``, when it has neither. The others stay as they
+are (README, "Limitations"):
 
 * ``modeling_utils.local_torch_dtype(dtype)`` calls
   ``torch.set_default_dtype``. :func:`metamode.default_dtype` could replace it
@@ -21,9 +37,9 @@ The others stay as they are (README, "Limitations"):
   ``dtype=torch.float16`` they would keep a float32 buffer and fail in
   ``forward`` (``tests/integration/test_integrations_hf.py`` shows the buffer on XGLM). A
   per-thread default dtype needs torch's help (pytorch#120819, #144673).
-* ``initialization.no_tie_weights`` assigns ``PreTrainedModel.tie_weights``,
-  and ``no_init_weights`` (DeepSpeed ZeRO-3 only) ``PreTrainedModel.init_weights``:
-  class attributes, which metamode never assigns.
+* ``initialization.no_init_weights`` (DeepSpeed ZeRO-3 only) assigns
+  ``PreTrainedModel.init_weights`` and ``torch.nn.init`` functions: a class
+  attribute, which metamode never assigns.
 * ``guard_torch_init_functions`` assigns ``torch.nn.init`` functions in ten
   torch modules around ``initialize_weights``; it was bound by a decorator
   when ``PreTrainedModel`` was defined, so there is no name to rebind.
@@ -62,11 +78,12 @@ import threading
 import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
-from metamode._core.modes import EmptyWeights, ThreadScopedMode
+from metamode._core.modes import EmptyWeights, KeepRegistered, ThreadScopedMode
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
 from metamode.integrations._registry import Integration, register
 
+_MODELING_UTILS = "transformers.modeling_utils"
 __all__ = ["disable_for_transformers", "enable_for_transformers"]
 
 
@@ -111,6 +128,68 @@ _TRANSFORMERS = Rebinding(
     extra="transformers",
     home_module="transformers.initialization",
     replacements={"meta_device_safe_creation_ops": meta_device_safe_creation_ops},
+)
+
+_TIE_WEIGHTS = "tie_weights"  # PreTrainedModel's method, found by its code's name and file
+
+
+class NoTieWeights(KeepRegistered):
+    """transformers' ``no_tie_weights``, in the calling thread only.
+
+    Stock replaces ``PreTrainedModel.tie_weights`` with a no-op for every
+    thread. ``PreTrainedModel.tie_weights`` ties by assignment -- for each
+    ``{target: source}`` pair, ``setattr(parent, name, source_param)`` --
+    which registers ``source_param`` under ``name`` through torch's global
+    registration hooks. Here, while this mode is on this thread's stack, the
+    hooks keep the parameter (or buffer) the module already holds whenever the
+    assignment comes from ``PreTrainedModel.tie_weights``'s body (a frame
+    running its code is on the calling stack). Every tie it makes is undone
+    at the moment it is made, so the model keeps the separate parameters
+    stock's no-op leaves it. Overrides of ``tie_weights`` in model classes
+    run as they do under stock (stock only replaces ``PreTrainedModel``'s);
+    ties they make themselves are kept, their ``super().tie_weights()`` is not.
+
+    What still runs that stock's no-op skips: the body's reads (the tied-keys
+    mapping, ``get_parameter_or_buffer``) and ``_adjust_bias``, which pads the
+    output layer's bias to the rows of its weight -- its own weight, as the
+    tie did not happen, so a ``Linear``'s bias is re-set to an equal copy.
+    """
+
+    def __init__(self, filename: str | None) -> None:
+        super().__init__()
+        self.filename = filename
+
+    def _fresh(self) -> NoTieWeights:
+        return NoTieWeights(self.filename)
+
+    def __repr__(self) -> str:
+        return "metamode.integrations.transformers.NoTieWeights()"
+
+    def keeps(self, module, name, value) -> bool:
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == _TIE_WEIGHTS and code.co_filename == self.filename:
+                return True
+            frame = frame.f_back
+        return False
+
+
+def _modeling_utils_file() -> str | None:
+    module = sys.modules.get(_MODELING_UTILS)
+    return getattr(module, "__file__", None)
+
+
+def no_tie_weights() -> NoTieWeights:
+    """metamode's replacement for ``transformers.initialization.no_tie_weights``."""
+    return NoTieWeights(_modeling_utils_file())
+
+
+_TRANSFORMERS_TIES = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module="transformers.initialization",
+    replacements={"no_tie_weights": no_tie_weights},
 )
 
 
@@ -177,7 +256,6 @@ _TRANSFORMERS_4_EMPTY = Rebinding(
     replacements={"init_empty_weights": init_empty_weights, "init_on_device": init_on_device},
 )
 
-_MODELING_UTILS = "transformers.modeling_utils"
 _LEFT_ALONE = "left alone: transformers"  # SHARED key: why enable returned ()
 _FLAG = "transformers: _init_weights flag"  # SHARED key
 
@@ -197,6 +275,10 @@ _TRANSFORMERS_4 = Rebinding(
     home_module=_MODELING_UTILS,
     replacements={"no_init_weights": no_init_weights},
 )
+
+
+# transformers 5: each is enabled when its name exists in transformers.initialization.
+_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES)
 
 
 def _has_initialization_module() -> bool:
@@ -241,18 +323,19 @@ def _disable_4() -> tuple[str, ...]:
 
 
 def enable_for_transformers() -> tuple[str, ...]:
-    """Make transformers' ``torch.linspace`` patch thread-scoped.
+    """Make transformers' ``torch.linspace`` and ``tie_weights`` patches thread-scoped.
 
     Rebinds ``transformers.initialization.meta_device_safe_creation_ops``
-    (entered by ``from_pretrained`` while it builds the model) to a context
-    that sends this thread's device-less ``torch.linspace`` calls to cpu
-    instead of assigning a wrapper to ``torch.linspace``; atomic, under a
-    lock; idempotent.
+    and ``no_tie_weights`` (entered by ``from_pretrained`` while it builds
+    the model), where they exist, to contexts that send this thread's
+    device-less ``torch.linspace`` calls to cpu and stop
+    ``PreTrainedModel.tie_weights`` from tying in this thread, instead of
+    assigning ``torch.linspace`` and ``PreTrainedModel.tie_weights``; atomic,
+    under a lock; idempotent.
 
     This does **not** make concurrent ``from_pretrained`` calls safe: the
-    default dtype, ``PreTrainedModel.tie_weights`` and ``torch.nn.init`` are
-    still set process-wide by transformers, for the reasons in
-    :mod:`metamode.integrations.transformers`.
+    default dtype and ``torch.nn.init`` are still set process-wide by
+    transformers, for the reasons in :mod:`metamode.integrations.transformers`.
 
     On transformers 4.x (no ``transformers.initialization``) it instead
     rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` to
@@ -272,15 +355,27 @@ def enable_for_transformers() -> tuple[str, ...]:
         if _TRANSFORMERS_4.enabled or not _has_initialization_module():
             return _enable_4()
         home = _TRANSFORMERS._import_home()
-        if "meta_device_safe_creation_ops" not in vars(home):
-            # A 5.x release without the linspace patch: nothing to route, not an error.
+        rebindings = [r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(home))]
+        if not rebindings:
+            # A 5.x release without either patch: nothing to route, not an error.
             SHARED[_LEFT_ALONE] = (
-                f"transformers {_TRANSFORMERS._version()} has no "
+                f"transformers {_TRANSFORMERS._version()} has neither "
                 f"initialization.meta_device_safe_creation_ops (no torch.linspace patch) "
-                f"and no 4.x no_init_weights: nothing for metamode to route"
+                f"nor initialization.no_tie_weights, and no 4.x no_init_weights: "
+                f"nothing for metamode to route"
             )
             return ()
-        return _TRANSFORMERS.enable()
+        bound: list[str] = []
+        done: list[Rebinding] = []
+        try:
+            for rebinding in rebindings:
+                bound += rebinding.enable()
+                done.append(rebinding)
+        except BaseException:
+            for rebinding in reversed(done):
+                rebinding.disable()
+            raise
+        return tuple(sorted(bound))
 
 
 def disable_for_transformers() -> tuple[str, ...]:
@@ -289,11 +384,12 @@ def disable_for_transformers() -> tuple[str, ...]:
     Returns the restored bindings (empty if the shim was not enabled).
     """
     with _LOCK:
-        return tuple(sorted((*_TRANSFORMERS.disable(), *_disable_4())))
+        restored = [r.disable() for r in _REBINDINGS_5]
+        return tuple(sorted((*(b for r in restored for b in r), *_disable_4())))
 
 
 def transformers_enabled() -> bool:
-    return _TRANSFORMERS.enabled or _TRANSFORMERS_4.enabled
+    return any(r.enabled for r in _REBINDINGS_5) or _TRANSFORMERS_4.enabled
 
 
 register(

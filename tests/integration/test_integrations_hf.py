@@ -21,9 +21,10 @@ switch interval, 2 cores): the first leak came in round 1-3 of 6 fresh
 processes out of 6, and a free-running bystander got no-op init in 62-67% of
 its builds during ``low_cpu_mem_usage=False`` loads.
 
-transformers: only ``meta_device_safe_creation_ops`` can be routed through
-metamode (see ``metamode/integrations/_transformers.py``); the tests show
-what the shim fixes and, in a subprocess, what stays process-global.
+transformers: only ``meta_device_safe_creation_ops`` and ``no_tie_weights``
+can be routed through metamode (see ``metamode/integrations/transformers.py``);
+the tests show what the shim fixes and, in a subprocess, what stays
+process-global.
 """
 
 from __future__ import annotations
@@ -526,6 +527,7 @@ def test_transformers_linspace_context_is_thread_scoped():
     try:
         assert metamode.enable_for_transformers() == (
             "transformers.initialization.meta_device_safe_creation_ops",
+            "transformers.initialization.no_tie_weights",
         )
         linspace = torch.linspace
         inside, other = threading.Event(), threading.Event()
@@ -665,19 +667,27 @@ def xglm_buffer_dtypes() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("enable", [False, True], ids=["stock", "metamode.enable"])
 def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
-    """Stock corrupts; metamode's shim fixes ``torch.linspace`` only (documented limits)."""
+    """Stock corrupts; metamode's shim fixes ``torch.linspace`` and ``tie_weights``,
+    not the default dtype (documented limits)."""
     result = run_python(
         _LLAMA_SUBPROCESS.format(repo=str(REPO), enable=enable, directory=str(tmp_path))
     )
-    # Fixed by the shim: the torch.linspace wrapper no longer outlives the loads.
+    # Fixed by the shim: the torch.linspace wrapper no longer outlives the loads...
     assert result["linspace_is_torchs"] is enable
+    # ...nor does no_tie_weights' no-op on PreTrainedModel.tie_weights, which in stock
+    # leaves B's lm_head.weight on meta, and every later tied load's
+    # (tests/test_shims_transformers_ties.py).
+    assert result["tie_weights_is_transformers"] is enable
+    if enable:
+        assert result["float32_model_differs"] == []
+        assert result["later_load_lm_head_device"] == "cpu"
+    else:
+        assert result["float32_model_differs"] == ["lm_head.weight differs (meta, torch.float32)"]
+        assert result["later_load_lm_head_device"] == "meta"
     # Not fixable without assigning class attributes or torch functions (README,
     # "Limitations"), so identical with and without metamode:
     assert result["default_dtype_after"] == "torch.float16"  # B restored A's float16
     assert result["float16_model_differs"], "A built part of its model in float32"
-    assert result["tie_weights_is_transformers"] is False  # no_tie_weights leaked its no-op
-    assert result["float32_model_differs"] == ["lm_head.weight differs (meta, torch.float32)"]
-    assert result["later_load_lm_head_device"] == "meta"  # ...and every later tied load breaks
     if enable:
         # default_dtype cannot reach torch.get_default_dtype(): XGLM's buffer stays float32.
         assert result["xglm"] == {

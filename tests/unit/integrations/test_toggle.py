@@ -142,6 +142,7 @@ def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monke
     from metamode.integrations import _registry as _enable_all
 
     monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
+    monkeypatch.delattr(initialization, "no_tie_weights")
     real_installed = _enable_all._installed
     monkeypatch.setattr(
         _enable_all, "_installed", lambda lib: lib != "accelerate" and real_installed(lib)
