@@ -453,7 +453,7 @@ def kept_registration(
     if existing is None or existing is value:
         return None
     guard = _stack.innermost(KeepRegistered, skip_inert=True)
-    if guard is not None and guard.keeps(module, name, value):
+    if isinstance(guard, KeepRegistered) and guard.keeps(module, name, value):
         return existing
     return None
 

@@ -20,7 +20,7 @@ shim rebinds the names in ``transformers.initialization``:
   through torch's global registration hooks; while the mode is on the calling
   thread's stack, metamode's hooks keep the tensor the module already holds
   when the assignment comes from ``tie_weights``'s body. The model is built
-  exactly as stock's no-op leaves it (``tests/test_shims_transformers_ties.py``
+  exactly as stock's no-op leaves it (``tests/unit/integrations/test_transformers_ties.py``
   compares both, and ``from_pretrained`` with and without the shim); after
   loading, transformers ties again, outside the context.
 
@@ -74,6 +74,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+from types import FrameType
 
 import torch
 
@@ -166,7 +167,7 @@ class NoTieWeights(KeepRegistered):
         return "metamode.integrations.transformers.NoTieWeights()"
 
     def keeps(self, module, name, value) -> bool:
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             code = frame.f_code
             if code.co_name == _TIE_WEIGHTS and code.co_filename == self.filename:

@@ -676,7 +676,7 @@ def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
     assert result["linspace_is_torchs"] is enable
     # ...nor does no_tie_weights' no-op on PreTrainedModel.tie_weights, which in stock
     # leaves B's lm_head.weight on meta, and every later tied load's
-    # (tests/test_shims_transformers_ties.py).
+    # (tests/unit/integrations/test_transformers_ties.py).
     assert result["tie_weights_is_transformers"] is enable
     if enable:
         assert result["float32_model_differs"] == []

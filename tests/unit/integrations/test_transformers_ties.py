@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 import metamode
+from metamode.lab.threads import run_threads as _run_threads
+from metamode.lab.threads import wait as _wait
 from tests.conftest import run_python
-from tests.test_integrations_hf import _Gates, _run_threads, _wait
+from tests.integration.test_integrations_hf import _Gates
 
 pytestmark = pytest.mark.requires_transformers_5
 
@@ -214,7 +216,7 @@ import torch
 torch.set_num_threads(1)
 import metamode
 assert not metamode.is_enabled("transformers")
-from tests.test_shims_transformers_ties import stock_forced_overlap
+from tests.unit.integrations.test_transformers_ties import stock_forced_overlap
 print(json.dumps(stock_forced_overlap({directory!r})))
 """
 
@@ -398,7 +400,7 @@ import torch
 torch.set_num_threads(1)
 import metamode
 metamode.enable()
-from tests.test_shims_transformers_ties import stress_loads
+from tests.unit.integrations.test_transformers_ties import stress_loads
 print(json.dumps(stress_loads({directory!r}, {rounds!r})))
 """
 
