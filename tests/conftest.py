@@ -74,7 +74,8 @@ def _installed_major(package: str) -> int | None:
         return None
 
 
-_INTEGRATION = Path(__file__).parent / "integration"
+REPO = Path(__file__).resolve().parent.parent  # the repository root
+_INTEGRATION = REPO / "tests" / "integration"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
+ROOT = REPO
 RST = re.compile(r"``|:mod:|:func:|:class:|:meth:")
 
 

@@ -14,9 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import run_python
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, run_python
 
 
 def _env(*extra_paths: str) -> dict[str, str]:

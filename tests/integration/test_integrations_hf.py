@@ -34,7 +34,6 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,9 +45,8 @@ import metamode
 from metamode.integrations import _registry as _enable_all
 from metamode.lab.scenarios import run_rounds
 from metamode.lab.threads import WAIT_S, run_threads, wait
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 
-REPO = Path(__file__).resolve().parents[1]
 _FREE_BUILDS_PER_ROUND = 20
 _TORCHS_CONSTANT_ = nn.init.constant_
 UNET_CONFIG: dict[str, Any] = {

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import metamode
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 
 pytestmark = pytest.mark.requires_transformers_4
 
@@ -159,9 +159,8 @@ print(json.dumps({{"corrupted": corrupted}}))
 @pytest.mark.parametrize("enable", [False, True])
 def test_concurrent_from_pretrained_with_a_bystander(enable):
     """Stock leaks (A enters, B enters, A exits, B restores A's patches); enable() fixes it."""
-    import pathlib
 
-    root = str(pathlib.Path(__file__).resolve().parents[1])
+    root = str(REPO)
     result = run_python(_RACE.format(root=root, enable=enable, config=CONFIG))
     if enable:
         assert result == {"corrupted": 0}

@@ -31,12 +31,12 @@ from torch import nn
 import metamode
 from metamode.lab.threads import run_threads as _run_threads
 from metamode.lab.threads import wait as _wait
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 from tests.integration.test_integrations_hf import _Gates
 
 pytestmark = pytest.mark.requires_transformers_5
 
-REPO = Path(__file__).resolve().parents[1]
+
 _STRESS_ROUNDS = 10
 
 
