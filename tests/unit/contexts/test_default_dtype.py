@@ -1,4 +1,4 @@
-"""metamode.default_dtype(dtype): per-factory semantics, reach, isolation, nesting, misuse.
+"""metamode.default_dtype(dtype): per-factory semantics, reach, isolation, nesting, arguments.
 
 The specification is "what the call returns after torch.set_default_dtype(dtype)":
 every case below is run both ways and compared (the global setting is put
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import metamode
-from metamode import ContextMisuseError
 from metamode._contexts.default_dtype import DefaultDtype
 from metamode.lab.threads import wait
 
@@ -224,7 +223,7 @@ def test_other_threads_keep_their_own_default():
     }
 
 
-# -- nesting, decorator, misuse --------------------------------------------------
+# -- nesting, arguments --------------------------------------------------------
 
 
 def test_innermost_context_wins_and_outer_resumes():
@@ -234,16 +233,6 @@ def test_innermost_context_wins_and_outer_resumes():
             assert torch.zeros(1).dtype == torch.float16
         assert torch.zeros(1).dtype == torch.float64
     assert torch.zeros(1).dtype == torch.float32
-
-
-def test_decorator_gives_each_call_a_fresh_context():
-    @metamode.default_dtype(torch.float16)
-    def make() -> torch.Tensor:
-        return torch.ones(1)
-
-    assert make().dtype == torch.float16
-    assert make().dtype == torch.float16
-    assert torch.ones(1).dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -262,29 +251,9 @@ def test_invalid_dtypes_are_refused(value, error):
         metamode.default_dtype(value)
 
 
-def test_reentering_or_exiting_elsewhere_raises():
+def test_default_dtype_returns_a_default_dtype_context():
+    # The ThreadScopedMode contract (single use, refused exits, decorator) is
+    # tested for every context class in tests/unit/core/test_mode_contract.py.
     context = metamode.default_dtype(torch.float16)
     assert isinstance(context, DefaultDtype)
     assert repr(context) == "metamode.default_dtype(torch.float16)"
-    with context:
-        pass
-    with pytest.raises(ContextMisuseError, match="single-use"), context:
-        pass
-
-    context = metamode.default_dtype(torch.float16)
-    context.__enter__()
-    errors: list[BaseException] = []
-
-    def exit_here() -> None:
-        try:
-            context.__exit__(None, None, None)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=exit_here)
-    thread.start()
-    thread.join()
-    assert isinstance(errors[0], ContextMisuseError)
-    assert torch.zeros(1).dtype == torch.float32, "refused, so inert (issue 12 section 4)"
-    context.__exit__(None, None, None)
-    assert torch.zeros(1).dtype == torch.float32

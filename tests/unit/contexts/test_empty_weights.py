@@ -1,4 +1,8 @@
-"""Semantics of metamode's contexts in one thread: placement, nesting, skip, misuse."""
+"""Semantics of metamode's contexts in one thread: placement, nesting, skip, arguments.
+
+The ThreadScopedMode contract (single use, refused exits, decorator protocol) is
+tested for every context class in tests/unit/core/test_mode_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import metamode
-from metamode import ContextMisuseError
 from metamode._core.hooks import installed
-from metamode._core.stack import stack_depth
 
 
 class WithBuffer(nn.Module):
@@ -207,33 +209,6 @@ def test_skip_without_context_is_harmless():
         assert nn.Linear(2, 2).weight.device.type == "cpu"
 
 
-def test_decorators_give_each_call_a_fresh_context():
-    @metamode.empty_weights()
-    def build() -> nn.Module:
-        return nn.Linear(2, 2)
-
-    @metamode.skip_empty_weights()
-    def build_real() -> nn.Module:
-        return nn.Linear(2, 2)
-
-    assert build().weight.is_meta and build().weight.is_meta
-    with metamode.empty_weights():
-        assert build_real().weight.device.type == "cpu"
-    assert build.__name__ == "build"
-
-
-def test_decorating_async_or_generator_functions_is_refused():
-    async def coroutine() -> None: ...
-
-    def generator():
-        yield
-
-    with pytest.raises(TypeError, match="async"):
-        metamode.empty_weights()(coroutine)
-    with pytest.raises(TypeError, match="generator"):
-        metamode.skip_empty_weights()(generator)
-
-
 # -- skipped initialisation -------------------------------------------------------------
 
 
@@ -260,54 +235,7 @@ def test_init_is_skipped_only_for_meta_tensors():
     assert plain.seen == ["normal_"]
 
 
-# -- misuse -------------------------------------------------------------------------------------
-
-
-def test_reentering_a_context_is_refused():
-    context = metamode.empty_weights()
-    with context:
-        pass
-    with pytest.raises(ContextMisuseError, match="single-use"), context:
-        pass
-    assert stack_depth() == 0
-
-
-def test_out_of_order_exit_raises_and_keeps_the_newer_context():
-    outer, inner = metamode.empty_weights(), metamode.empty_weights(include_buffers=True)
-    outer.__enter__()
-    inner.__enter__()
-    with pytest.raises(ContextMisuseError, match="reverse order"):
-        outer.__exit__(None, None, None)
-    assert metamode.active() is inner and torch.empty(1).is_meta
-    inner.__exit__(None, None, None)
-    assert stack_depth() == 0 and metamode.active() is None
-    assert nn.Linear(2, 2).weight.device.type == "cpu"
-
-
-def test_exit_in_another_thread_is_refused_and_owner_can_still_exit():
-    context = metamode.empty_weights()
-    context.__enter__()
-    errors: list[BaseException] = []
-
-    def exit_elsewhere() -> None:
-        try:
-            context.__exit__(None, None, None)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=exit_elsewhere)
-    thread.start()
-    thread.join()
-    assert len(errors) == 1 and isinstance(errors[0], ContextMisuseError)
-    assert "entered in thread" in str(errors[0])
-    assert metamode.active() is None  # refused, so inert (issue 12 section 4)
-    context.__exit__(None, None, None)
-    assert stack_depth() == 0
-
-
-def test_exiting_a_context_that_was_never_entered_is_refused():
-    with pytest.raises(ContextMisuseError, match="not active"):
-        metamode.empty_weights().__exit__(None, None, None)
+# -- arguments ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("device", ["not-a-device", "cuda:x", 3.5])
@@ -326,15 +254,6 @@ def test_unavailable_device_is_refused_up_front():
 def test_include_buffers_must_be_bool():
     with pytest.raises(TypeError):
         metamode.empty_weights(include_buffers="yes")
-
-
-def test_exception_inside_restores_the_stack_exactly():
-    with metamode.empty_weights() as outer:
-        depth = stack_depth()
-        with pytest.raises(KeyError), metamode.empty_weights(), metamode.skip_empty_weights():
-            raise KeyError("boom")
-        assert stack_depth() == depth and metamode.active() is outer
-    assert stack_depth() == 0
 
 
 def test_accelerate_signature_alias_reads_the_env(monkeypatch):

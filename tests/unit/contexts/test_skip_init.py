@@ -1,4 +1,4 @@
-"""metamode.skip_init(): which writes are skipped, thread isolation, nesting, misuse.
+"""metamode.skip_init(): which writes are skipped, thread isolation, nesting.
 
 "Skipped" is checked by value: a parameter is filled with a known value
 first, and a skipped call must leave exactly that value in place (and return
@@ -17,7 +17,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import metamode
-from metamode import ContextMisuseError
 from metamode._contexts.skip_init import SkipInit
 from metamode.lab.threads import wait
 
@@ -234,7 +233,7 @@ def test_torch_nn_init_is_never_reassigned():
     assert during == before
 
 
-# -- nesting, decorator, misuse ----------------------------------------------------
+# -- nesting --------------------------------------------------------------------------
 
 
 def test_nesting_and_exit_restores_initialisation():
@@ -250,77 +249,9 @@ def test_nesting_and_exit_restores_initialisation():
     assert bool((param == 0).all())
 
 
-def test_decorator_gives_each_call_a_fresh_context():
-    @metamode.skip_init()
-    def build() -> nn.Parameter:
-        param = _param()
-        with torch.no_grad():
-            nn.init.ones_(param)
-        return param
-
-    assert bool((build() == SENTINEL).all())
-    assert bool((build() == SENTINEL).all())
-    results: list[bool] = []
-    threads = [threading.Thread(target=lambda: results.append(bool((build() == 7).all())))
-               for _ in range(2)]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert results == [True, True]
-
-
-def test_reentering_a_context_raises():
+def test_skip_init_returns_a_skip_init_context():
+    # The ThreadScopedMode contract (single use, refused exits, decorator) is
+    # tested for every context class in tests/unit/core/test_mode_contract.py.
     context = metamode.skip_init()
     assert isinstance(context, SkipInit)
     assert repr(context) == "metamode.skip_init()"
-    with context:
-        assert context.is_active
-    with pytest.raises(ContextMisuseError, match="single-use"), context:
-        pass
-
-
-def test_exit_from_another_thread_raises_and_keeps_the_context():
-    context = metamode.skip_init()
-    context.__enter__()
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _capture(errors, context.__exit__, None, None, None))
-    thread.start()
-    thread.join()
-    assert isinstance(errors[0], ContextMisuseError)
-    param = _param()
-    with torch.no_grad():
-        nn.init.ones_(param)
-    assert bool((param == 1).all()), "refused, so inert (issue 12 section 4)"
-    context.__exit__(None, None, None)
-
-
-def test_out_of_order_exit_raises_and_keeps_the_newer_context():
-    outer, inner = metamode.skip_init(), metamode.empty_weights()
-    outer.__enter__()
-    inner.__enter__()
-    with pytest.raises(ContextMisuseError, match="still active"):
-        outer.__exit__(None, None, None)
-    assert nn.Linear(2, 2).weight.is_meta, "the newer context is untouched"
-    inner.__exit__(None, None, None)
-    assert not outer.is_active
-
-
-def test_decorating_a_generator_or_coroutine_raises():
-    def generator():
-        yield
-
-    async def coroutine():
-        return None
-
-    with pytest.raises(TypeError, match="generator"):
-        metamode.skip_init()(generator)
-    with pytest.raises(TypeError, match="async"):
-        metamode.skip_init()(coroutine)
-
-
-def _capture(errors: list[BaseException], call, *args) -> None:
-    try:
-        call(*args)
-    except BaseException as error:
-        errors.append(error)
