@@ -1,22 +1,14 @@
 """metamode: thread-scoped empty-weight construction for PyTorch.
 
-Build models with their weights on the ``meta`` device -- the trick behind
-``low_cpu_mem_usage`` -- without patching ``torch.nn.Module`` or any torch
-function. Every context lives on PyTorch's per-thread torch-function mode
-stack, so it affects only the thread that entered it and cannot leak.
+Build models with their weights on the ``meta`` device without patching
+``torch.nn.Module`` or any torch function: every context lives on PyTorch's per-thread
+torch-function mode stack, so it affects only the thread that entered it.
 
     >>> import metamode, torch
     >>> with metamode.empty_weights():
     ...     layer = torch.nn.Linear(4096, 4096)
     >>> layer.weight.device
     device(type='meta')
-
-``import metamode`` imports nothing else (not even torch): each public name is
-imported from its module on first use. The registration hooks (torch's
-official parameter/buffer hooks, which do nothing unless a metamode context is
-active in the calling thread) are installed once per process when the core
-module :mod:`metamode._core.modes` is first imported -- which every context needs,
-so they are always in place before any context can be entered.
 """
 
 import importlib as _importlib

@@ -1,29 +1,5 @@
-"""Testing helpers for code that builds models on ``meta``: :func:`hammer`.
-
-This is how a tuner author tests a custom tuner's ``low_cpu_mem_usage``
-path: call it from many threads at once, many times, and check after every
-round that the process is as it was. A context that patches torch globally
-(PEFT's own ``init_empty_weights``, accelerate's) fails within a few rounds;
-a thread-scoped one (:func:`metamode.empty_weights`) passes::
-
-    import metamode
-    from metamode.testing import hammer
-    from peft import inject_adapter_in_model
-
-    metamode.enable_for_peft()
-
-    def build_and_inject():
-        model = MyBlock()
-        inject_adapter_in_model(MyTunerConfig(...), model, low_cpu_mem_usage=True)
-        for name, param in model.named_parameters():
-            on_meta = "my_adapter_" in name  # new adapter weights: meta; the rest: real
-            assert param.is_meta == on_meta, f"{name} on {param.device}"
-
-    report = hammer(build_and_inject, threads=8, rounds=200)
-    assert report.ok, report  # prints the first failure with its traceback
-
-``fn`` should itself assert what must hold for *its* result (where its
-parameters are); ``hammer`` adds the checks no single call can make.
+"""Testing helpers for code that builds models on ``meta``: :func:`hammer`, e.g. for a
+tuner's ``low_cpu_mem_usage`` path (README, "Test your tuner's low_cpu_mem_usage path").
 """
 
 from __future__ import annotations
@@ -116,9 +92,8 @@ def hammer(
 ) -> HammerReport:
     """Call ``fn()`` in ``threads`` threads at once, ``rounds`` times; check after each round.
 
-    Each round, a barrier releases every worker thread at the same moment,
-    each calls ``fn()`` with no arguments, and the calling thread waits for
-    all of them. Then it checks what no single call can:
+    Each round, a barrier releases every worker thread at the same moment, each calls
+    ``fn()`` with no arguments, and the calling thread waits for all of them. Then it checks:
 
     * every ``fn()`` returned (an exception is a failure, with its traceback);
     * every worker's torch-function mode stack is as deep as before its call
@@ -127,23 +102,19 @@ def hammer(
       attributes, factories, registration hooks, default dtype/device, the
       calling thread's mode stack -- is what it was before the first round.
 
-    While it runs, ``sys.setswitchinterval(switch_interval)`` makes threads
-    switch every few bytecodes, so races show up in a few rounds instead of
-    one in a million; the interval is restored afterwards. The worker threads
-    are reused across rounds (state a call leaves on its thread reaches the
-    next round there).
+    ``fn`` should itself raise if its own result is wrong. Worker threads are reused across
+    rounds. Meanwhile ``sys.setswitchinterval(switch_interval)`` is in force process-wide
+    (restored afterwards), so races show up within a few rounds.
 
     Args:
-        fn: the code under test; it should raise if its own result is wrong.
+        fn: the code under test.
         threads: worker threads per round.
         rounds: rounds to run.
         switch_interval: the interpreter's thread switch interval meanwhile.
         stop_on_failure: stop after the first round with a failure (later
             rounds would run in a process the failure may have corrupted).
-        timeout: seconds one round may take before it counts as a deadlock.
-            It is one deadline per round for everything ``hammer`` waits on
-            (the round, then its worker threads): a deadlock is reported
-            after ``timeout`` seconds, and its blocked threads are abandoned
+        timeout: seconds one round may take (one deadline for the round and its worker
+            threads) before it counts as a deadlock; blocked threads are abandoned
             (daemon threads; each finishes on its own if ``fn`` ever returns).
 
     Returns a :class:`HammerReport`. The process is not repaired: after a

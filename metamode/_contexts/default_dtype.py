@@ -1,54 +1,4 @@
-"""``metamode.default_dtype(dtype)``: a per-thread default floating dtype.
-
-``torch.set_default_dtype`` is process-global. Loaders call it to build a model
-in half precision and put the old value back afterwards, so a concurrent load
-in another thread builds in the wrong dtype, and two overlapping loads can
-restore each other's values and leave the process in float16
-(pytorch#120819 and #144673 ask for a thread-local version; none exists).
-
-This mode gives the calling thread the part of that setting that matters
-when building a model: the dtype *factory functions* pick when none is
-given. The specification is "what the call would return after
-``torch.set_default_dtype(dtype)``", factory by factory
-(``tests/unit/contexts/test_default_dtype.py`` checks it against the real setting):
-
-* always floating -- ``empty``, ``empty_strided``, ``empty_permuted``,
-  ``zeros``, ``ones``, ``rand``, ``randn``, ``eye``, ``scalar_tensor``, the
-  window functions, ``fft.fftfreq``/``rfftfreq``, and ``normal(mean, std,
-  size)`` with number arguments: ``dtype``;
-* inferred from a value's *kind* -- ``full`` (the fill value), ``arange``
-  (start/end/step), ``linspace``/``logspace`` (the endpoints; always
-  floating unless complex): a bool or integer stays ``bool``/``int64``, a
-  float (Python, NumPy or a 0-d tensor: only its kind counts) gives ``dtype``;
-* inferred from a value's *kind* also for NumPy scalars, where torch reads
-  a NumPy bool as a float (``full((1,), np.bool_(True))`` is floating);
-* inferred from *data* -- ``tensor``, ``as_tensor``, ``asarray``: torch's
-  own rule with ``dtype`` as the default: each leaf's dtype (a Python float
-  or an empty sequence: ``dtype``; int: ``int64``; bool: ``bool``; a
-  tensor, NumPy array or NumPy scalar: its own), promoted together with
-  ``torch.promote_types`` -- so ``[np.float32(1.5), 2.5]`` is ``float64``
-  under ``float64`` and ``[1.5, torch.tensor(2.0)]`` follows the tensor's
-  dtype as promotion does; data with no Python float is left to torch;
-* complex values give ``complex128`` under ``float64`` and ``complex64``
-  otherwise (torch itself is inconsistent for half precision: ``complex32``
-  from ``torch.tensor``, ``complex64`` from ``torch.full``, an error from
-  ``torch.linspace``);
-* an explicit ``dtype=`` (not None) or ``out=`` always wins, and ``*_like``
-  functions and ``Tensor.new_*`` methods (``new_tensor`` included) keep their
-  input's dtype.
-
-What a mode cannot reach, because it is not a factory call dispatched through
-``__torch_function__``: ``torch.get_default_dtype()`` itself (code that asks
-for the default and passes it on gets the process-wide value), type
-promotion with Python scalars (``int_tensor * 0.5`` and ``int_tensor / 2``
-give the process-wide default), the legacy constructors ``torch.Tensor(2,
-3)``/``torch.FloatTensor``, the deprecated ``torch.range``, sparse
-constructors, and tensors that C++ kernels allocate internally. The first
-matters in practice: 23 modeling files of transformers 5.23 call
-``torch.get_default_dtype()``, several to build a buffer in ``__init__``
-(XGLM, M2M100, Musicgen...), which is why metamode does not route
-transformers' own dtype context through this one.
-"""
+"""``metamode.default_dtype(dtype)``: a per-thread default floating dtype for factory calls."""
 
 from __future__ import annotations
 
@@ -95,13 +45,9 @@ def _scalar_kind(value: Any) -> int:
 def _data_dtype(data: Any, dtype: torch.dtype, complex_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype ``torch.tensor(data)`` gets with ``dtype`` as the default, or None.
 
-    torch's own inference: every leaf has a dtype -- a Python float (or an
-    empty sequence) the default, a complex ``complex_dtype``, an int
-    ``int64``, a bool ``bool``, a tensor, NumPy array or NumPy scalar its own
-    -- and the result is their ``torch.promote_types``. So ``[1.5,
-    torch.tensor(2.0)]`` follows the default only as far as promotion lets
-    it. None when no leaf takes the default (the default plays no part) or a
-    leaf is something else (torch then decides alone, as without the context).
+    torch's own inference (each leaf's dtype, promoted with ``torch.promote_types``), with
+    a Python float or empty sequence taking ``dtype`` and a complex ``complex_dtype``. None
+    when no leaf takes the default, or a leaf is something else (torch then decides alone).
     """
     result: torch.dtype | None = None
     uses_default = False
@@ -254,15 +200,26 @@ class DefaultDtype(ThreadScopedMode):
 def default_dtype(dtype: torch.dtype) -> DefaultDtype:
     """Context manager and decorator: a default floating dtype for this thread only.
 
-    While active in the calling thread, factory functions that would create a
-    tensor of the default floating dtype (``torch.empty``, ``zeros``,
-    ``randn``, ``full(size, 0.5)``, ``arange(0, 1, 0.1)``,
-    ``tensor([1.5])``, the parameters of ``nn.Linear``...) create ``dtype``
-    instead; integer and boolean results stay integer and boolean. Unlike
-    ``torch.set_default_dtype``, nothing changes for other threads, and
-    ``torch.get_default_dtype()`` keeps returning the process-wide value. The
-    per-factory rules and what the context cannot reach are in
-    :mod:`metamode._contexts.default_dtype`. Nested contexts: the innermost wins.
+    While active in the calling thread, a factory call without ``dtype=`` (or with
+    ``dtype=None``) and without ``out=`` returns what it would after
+    ``torch.set_default_dtype(dtype)``:
+
+    * always floating, so ``dtype``: ``empty``, ``empty_strided``, ``empty_permuted``,
+      ``zeros``, ``ones``, ``rand``, ``randn``, ``eye``, ``scalar_tensor``, the window
+      functions, ``fft.fftfreq``/``rfftfreq``, ``normal(mean, std, size)`` with numbers;
+    * from a value's kind -- ``full`` (the fill value), ``arange`` (start/end/step),
+      ``linspace``/``logspace`` (floating unless an endpoint is complex): bool and int stay
+      ``bool``/``int64``; a float (Python, NumPy, 0-d tensor, and a NumPy bool, which torch
+      reads as a float) gives ``dtype``;
+    * from data -- ``tensor``, ``as_tensor``, ``asarray``: torch's leaf-and-promote rule
+      with ``dtype`` as the default (``[np.float32(1.5), 2.5]`` is ``float64`` under
+      ``float64``); data with no Python float is left to torch;
+    * complex results are ``complex128`` under ``float64``, else ``complex64``;
+    * ``*_like`` functions and ``Tensor.new_*`` methods keep their input's dtype.
+
+    So the parameters of ``nn.Linear`` come out in ``dtype``. Nothing changes for other
+    threads, and ``torch.get_default_dtype()`` keeps the process-wide value; what else the
+    context cannot reach: README, "Limitations". Nested contexts: the innermost wins.
 
     Args:
         dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or
@@ -271,7 +228,7 @@ def default_dtype(dtype: torch.dtype) -> DefaultDtype:
     Returns a single-use context; as a decorator, each call gets a fresh one.
 
     Raises:
-        TypeError: ``dtype`` is not a ``torch.dtype``.
+        TypeError: ``dtype`` is not a ``torch.dtype`` (e.g. used as a bare decorator).
         ValueError: ``dtype`` is not one of the floating dtypes above.
     """
     if callable(dtype) and not isinstance(dtype, torch.dtype):

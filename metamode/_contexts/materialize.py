@@ -1,34 +1,4 @@
-"""``metamode.materialize``: give an empty-built module the values eager construction gives it.
-
-The rule, exactly:
-
-* Every parameter and buffer of ``module`` registered inside a
-  ``metamode.empty_weights(replayable=True)`` context, in either mode, is filled with what
-  ``torch.manual_seed(s); build()`` puts there when the context was entered
-  right after ``torch.manual_seed(s)``: the context recorded its thread's
-  torch calls (:mod:`metamode._core.trace`) and the default CPU generator's state
-  at entry, and materialize replays them on CPU from that state with a private
-  generator. This holds for a submodule too: its values equal the eager
-  build's, because the replay draws every random number drawn before them
-  (into a scratch tensor when the result is not wanted).
-* Real tensors that were registered in the context (parameters-only mode's
-  buffers) are replaced by their replayed values as well; real tensors that
-  were not (loaded weights) are left alone.
-* Parameters stay the same Python objects (``torch.utils.swap_tensors``), so
-  ties, classes, attributes and ``requires_grad`` are kept; buffers are
-  replaced in their modules' ``_buffers``.
-* Generators: materialize draws nothing from the process's default
-  generator and never changes its state; after the ``with`` block the default
-  generator reflects only the draws that really ran during the build.
-* FSDP2: a parameter ``fully_shard`` replaced by a DTensor stands for the one
-  registered in its place; each rank keeps only its local shard of the
-  replayed value (every rank replays the whole build's random draws).
-* Tensors it cannot reproduce -- made outside the context, from NumPy data,
-  by plain ``torch.device("meta")`` or a non-replayable context, or drawn
-  after a random call that takes no ``generator=`` -- make it raise before
-  anything is allocated, naming every one (``on_unreproducible="empty"`` leaves
-  them uninitialised on ``device`` instead).
-"""
+"""``metamode.materialize``: give an empty-built module the values eager construction gives it."""
 
 from __future__ import annotations
 
@@ -153,16 +123,33 @@ def materialize(
 ) -> nn.Module:
     """Allocate ``module``'s empty-built tensors on ``device`` with their eager values, in place.
 
-    ``device`` defaults to ``"cpu"``, where eager construction (no device
-    context) puts them; values are always computed on CPU, one tensor moved to
-    ``device`` at a time, so they are bitwise the CPU eager values anywhere.
-    Returns ``module`` itself. See :mod:`metamode._contexts.materialize` for the exact
-    rule, generators and thread-safety: it may run while other threads build or
-    materialize other modules; do not materialize one module from two threads.
+    Every parameter and buffer registered inside ``metamode.empty_weights(replayable=True)``
+    (either ``include_buffers`` mode) gets what ``torch.manual_seed(s); build()`` puts there,
+    when the context was entered right after ``torch.manual_seed(s)`` -- a submodule's too.
+    Real tensors registered in the context are replaced by their replayed values; real
+    tensors that were not (loaded weights) are left alone. Parameters stay the same Python
+    objects (``torch.utils.swap_tensors``: ties, classes, attributes, ``requires_grad``
+    kept); buffers are replaced in their modules' ``_buffers``. A parameter that FSDP2's
+    ``fully_shard`` replaced by a DTensor gets its rank's local shard.
+
+    Values are computed on CPU from the recorded generator state with a private generator,
+    then moved to ``device`` one tensor at a time, so they are bitwise the CPU eager values
+    anywhere; the process's default generator is neither drawn from nor changed. May run
+    while other threads build or materialize other modules; do not materialize one module
+    from two threads.
+
+    Args:
+        device: where the tensors go; ``"cpu"`` by default (where eager construction puts them).
+        on_unreproducible: ``"empty"`` leaves tensors that cannot be reproduced uninitialised
+            on ``device`` instead of raising.
+
+    Returns ``module`` itself.
 
     Raises:
-        NotMaterializableError: before allocating anything, naming every tensor
-            that cannot be reproduced (unless ``on_unreproducible="empty"``).
+        NotMaterializableError: before allocating anything, naming every tensor that cannot
+            be reproduced -- made outside the context, from NumPy data, by plain
+            ``torch.device("meta")`` or a non-replayable context, or drawn after a random
+            call that takes no ``generator=`` (unless ``on_unreproducible="empty"``).
     """
     if on_unreproducible not in ("error", "empty"):
         raise ValueError(f"on_unreproducible must be 'error' or 'empty', not {on_unreproducible!r}")

@@ -276,19 +276,11 @@ def _drop_inert_modes() -> None:
 class EmptyWeights(ThreadScopedMode):
     """Build modules with their parameters (and optionally buffers) on ``device``.
 
-    Create it with :func:`metamode.empty_weights`. Parameters are moved when
-    they are registered, by :mod:`metamode._core.hooks`; this mode's own
-    ``__torch_function__`` does two cheaper things for the calls that build a
-    module:
-
-    * with ``include_buffers=True`` it points factory functions at ``device``,
-      exactly like ``with torch.device(device)`` (torch's own constructor
-      list), inside this mode, so nesting order is kept -- torch always moves
-      a ``DeviceContext`` to the bottom of the stack;
-    * it returns early from value-initialising calls on meta tensors
-      (``nn.init.*``, ``uniform_``, ``fill_``, ...): on meta they compute
-      nothing, yet cost a Python meta kernel each. See
-      :mod:`metamode._core.skip_rule` for the exact rule.
+    Create it with :func:`metamode.empty_weights`. Parameters are moved when they are
+    registered, by :mod:`metamode._core.hooks`. The mode itself, for the calls that build a
+    module: with ``include_buffers=True`` it sends factory calls without ``device=`` to
+    ``device`` (torch's own constructor list, as ``with torch.device(device)``); on meta it
+    returns early from the calls :func:`metamode._core.skip_rule.skipped_target` skips.
     """
 
     def __init__(
@@ -297,9 +289,9 @@ class EmptyWeights(ThreadScopedMode):
         super().__init__()
         self.device = device
         self.include_buffers = include_buffers
+        self.replayable = replayable
         # The skip_empty_weights contexts suspending this one (a set, not a
         # counter: an inert skip drops itself from another thread).
-        self.replayable = replayable
         self._suspended: set[SkipEmptyWeights] = set()
         self._skip_init = device.type == "meta"
         # original tensor -> moved tensor, so tied weights stay tied; weak so a

@@ -1,43 +1,9 @@
-"""Which torch calls compute nothing on a meta tensor and may return at once.
+"""The skip rule: which torch calls are pointless on meta tensors and may return at once.
 
-Building an empty model spends much of its time *initialising* parameters
-that live on the meta device: ``reset_parameters`` and transformers'
-``_init_weights`` call ``kaiming_uniform_``, ``uniform_``, ``normal_``... and
-each runs a meta kernel that checks arguments and produces no values --
-``normal_``'s is Python (torch's ``_refs``), ~0.7 ms a call, so 0.1-0.2 s for
-a Llama-7B skeleton, several times the cost of building the skeleton itself.
-Inside an empty-weights context those calls are pointless, so the mode
-returns the tensor unchanged instead.
-
-The rule is deliberately narrow, so skipping can never change a result:
-
-* the call must be value-initialising: one of the ``torch.nn.init`` functions
-  below that dispatch through ``__torch_function__`` (whichever function is
-  bound under that name in ``torch.nn.init`` when it is called -- transformers'
-  ``guard_torch_init_functions`` rebinds them to flag-checking wrappers during
-  ``init_weights``, and torch's dispatch then names the wrapper), or an
-  in-place tensor method that only writes values (never ``resize_``,
-  ``set_``, ``requires_grad_``, ``copy_`` or a shape-changing method);
-* the tensor it initialises (first positional argument, or the ``tensor=`` /
-  ``self=`` keyword) must be on the meta device -- real tensors are never
-  skipped -- and its class must not override ``__torch_function__`` (such a
-  subclass gets every call it would have got);
-* no other argument may be a tensor, so a skipped call could not have raised a
-  broadcasting or shape error;
-* a tensor *method* is not skipped while autograd would record it (grad mode
-  on and the tensor requires grad): the real call raises for a leaf or gives
-  a non-leaf a new ``grad_fn``, and both must stay observable. The
-  ``torch.nn.init`` functions run under ``no_grad`` themselves, so they are
-  always skippable.
-
-What a skipped call does not do: bump the tensor's version counter, or raise
-the dtype errors a real in-place call could (``mul_(0.5)`` on an integer meta
-tensor). Neither changes the model that comes out: its module structure,
-shapes, dtypes, devices, ``requires_grad`` and parameter identities are
-exactly those of the unskipped build (``tests/integration/test_bench.py`` checks this on
-pure-torch, transformers, diffusers and PEFT models).
-
-Dunder methods are never in the set, so operators pass through untouched.
+:func:`skipped_target` states it; ``EmptyWeights`` applies it on meta, and
+``metamode.skip_init`` applies a variant to parameters on any device
+(:func:`metamode._contexts.skip_init.skipped_parameter`). Why and at what cost:
+docs/design.md, "Skipping init".
 """
 
 from __future__ import annotations
@@ -150,11 +116,24 @@ def _is_value_initialising(func: Any) -> bool:
 
 
 def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The tensor ``func(*args, **kwargs)`` would return unchanged, or None to run it.
+    """The tensor ``func(*args, **kwargs)`` would return unchanged, or None to run the call.
 
-    Non-None exactly when the call would only write values into a meta tensor
-    (the rule in the module docstring); the mode then returns that tensor
-    instead of calling ``func``.
+    Non-None exactly when all of these hold:
+
+    * ``func`` is value-initialising: in ``POINTLESS_ON_META`` (the ``torch.nn.init``
+      functions in ``_INIT_FUNCTIONS`` and in-place methods that only write values -- never
+      ``resize_``, ``set_``, ``requires_grad_``, ``copy_`` or a shape-changing method, never a
+      dunder), or the function ``torch.nn.init`` binds under one of those names at call time;
+    * its target (first positional argument, or ``tensor=``/``self=``) is a meta tensor
+      whose class does not override ``__torch_function__``;
+    * no other argument is a tensor (a skipped call could not have raised a shape error);
+    * for a tensor method, autograd would not record it (grad mode off or the target does
+      not require grad); the ``torch.nn.init`` functions run under ``no_grad`` themselves.
+
+    A skipped call does not bump the tensor's version counter or raise the dtype errors the
+    real call could (``mul_(0.5)`` on an integer meta tensor). The model built is otherwise
+    the unskipped build's: structure, shapes, dtypes, devices, ``requires_grad`` and
+    parameter identities.
     """
     if not _is_value_initialising(func):
         return None

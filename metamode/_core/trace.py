@@ -1,24 +1,5 @@
-"""Recording what an empty-weights context built, so it can be replayed later.
-
-An :class:`~metamode._core.modes.EmptyWeights` context sees every top-level torch
-call its thread makes (calls made *inside* another call's handling never reach
-a mode). :class:`Trace` keeps them as a straight-line program: each call with
-its non-tensor arguments, every tensor replaced by a symbolic value id. No
-tensor is held: the tensor -> id map is weak and is dropped when the context
-exits. What lets :func:`metamode.materialize` reproduce eager construction
-bitwise:
-
-* the CPU default generator's state at context entry: replaying *every*
-  recorded call in order from it draws exactly the numbers eager construction
-  drew -- including for init calls the context skipped on meta and for real
-  tensors that drew from a stream the skips had shifted;
-* parameters (made by ``nn.Parameter(t)``, which no mode sees) and their meta
-  twins are tied to the value id of ``t`` at registration, by storage.
-
-A tensor the trace cannot explain (created outside the context, from NumPy
-data, under ``skip_empty_weights``...) gets a *tainted* id; so does everything
-computed from it, and everything after a random call that cannot take a
-``generator=``. Tainted tensors are refused by ``materialize``.
+"""Recording an empty-weights context's torch calls, so :func:`metamode.materialize` can
+replay them. How replay comes out bitwise: docs/design.md, "materialize".
 """
 
 from __future__ import annotations
@@ -215,9 +196,8 @@ def _is_tensor_type(kind: type) -> bool:
 class _IdMap:
     """tensor -> value, by identity, holding only plain weak references.
 
-    ``torch.utils.weak.WeakIdKeyDictionary`` costs ~3 us a lookup; this is a
-    dict lookup plus one dereference. A stale entry (its tensor died and the
-    id was reused) fails the ``ref() is tensor`` check.
+    A stale entry (its tensor died and the id was reused) fails the ``ref() is tensor``
+    check. Why not ``WeakIdKeyDictionary``: docs/design.md, "Hot paths".
     """
 
     __slots__ = ("_entries",)
@@ -285,7 +265,14 @@ class Op:
 
 
 class Trace:
-    """The recorded build of one empty-weights context (see module docstring)."""
+    """The recorded build of one empty-weights context.
+
+    Each top-level torch call of the owner thread, with its non-tensor arguments and every
+    tensor replaced by a value id; the default CPU generator's state at entry; parameters
+    tied by storage to the value they were made from. Holds no tensor (the tensor -> id map
+    is weak and dropped at exit). Tensors it cannot explain, what is computed from them and
+    everything after a random call without ``generator=`` get a tainted id.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,34 +1,5 @@
-"""``metamode.doctor()``: find, and on request repair, what others left in torch.
-
-Empty-weight helpers in other libraries work by patching process-wide
-state, and a patch that is lost (two threads, an exception at the wrong
-moment, a generator never closed) stays behind: every model built afterwards
-in *any* thread silently lands on ``meta``. A notebook user should not have
-to restart the kernel to recover, and should learn who left it.
-
-What is checked, in the running process:
-
-* ``torch.nn.Module``'s methods (``register_parameter``, ``register_buffer``,
-  ...) are torch's own (the intended changes listed in
-  :mod:`metamode._diagnostics.known_changes`, e.g. ``torch.compile``'s tagging of
-  ``__init__``, are not findings, and repair keeps them);
-* ``torch.nn.init``'s functions are torch's own, in ``torch.nn.init`` and in
-  every loaded torch module that bound them by name
-  (``from torch.nn.init import xavier_uniform_``);
-* ``torch.empty``, ``zeros``, ``ones``, ``full``, ``linspace`` and the other
-  factories are torch's C functions (also where bound by name);
-* the default dtype is ``float32`` and no default device is in force;
-* PEFT's ``_init_on_device._skip`` flag is not left set;
-* no torch-function mode is left on the calling thread's stack;
-* metamode's own registration hooks are installed.
-
-Originals are recognised by *where they are defined*, not by a snapshot
-taken at import (see :mod:`metamode._diagnostics.originals`), so the doctor is right even
-when metamode is imported after the damage. Each finding names the
-replacement's module and qualified name: that is who left it.
-
-``repair=True`` is the one place metamode assigns a torch attribute: only on
-request, and only to put torch's own object back.
+"""``metamode.doctor()``: find, and on request repair, global torch state that others left
+changed. Why it works this way: docs/design.md, "doctor and originals".
 """
 
 from __future__ import annotations
@@ -143,10 +114,20 @@ class DoctorReport:
 def doctor(repair: bool = False) -> DoctorReport:
     """Inspect this process for global torch patches and leftovers.
 
+    Checks that ``torch.nn.Module``'s methods, ``torch.nn.init``'s functions and torch's
+    factories (``torch.empty``, ``zeros``, ``full``, ``linspace``...) are torch's own, also
+    where a torch module bound them by name; that the default dtype is ``float32`` and no
+    default device is set; that PEFT's ``_init_on_device._skip`` is not left set; that no
+    torch-function mode is left on the calling thread's stack; and that metamode's
+    registration hooks are installed. Originals are recognised by where they are defined,
+    so this holds even if metamode was imported after the damage. The intended changes in
+    :mod:`metamode._diagnostics.known_changes` are not findings, and repair keeps them.
+
     Args:
         repair: restore torch's originals (functions, default dtype/device),
             clear PEFT's stale flag and pop modes left on the calling thread's
-            stack, then check again.
+            stack, then check again. The only place metamode assigns torch
+            attributes, and only to put torch's own objects back.
 
     Returns a :class:`DoctorReport`; ``print`` it to read it. Per-thread
     state (the mode stack, ``torch.set_default_device``) is the calling

@@ -1,38 +1,5 @@
-"""Recognising torch's own functions, and getting them back once replaced.
-
-:func:`metamode.doctor` must work in a process that was corrupted *before*
-metamode was imported, so it cannot compare against a snapshot taken at
-import. Instead it asks where an object is defined:
-
-* A Python function is torch's own when it was compiled in the namespace of
-  the torch module that defines it (``__globals__`` is that module's dict)
-  under the qualified name torch gives it (``Module.register_parameter``,
-  ``kaiming_uniform_``). A patch is compiled in its author's module, so it
-  fails this test even when it copies ``__name__``/``__qualname__`` with
-  ``functools.wraps``.
-* ``torch.empty`` and the other factories are C builtins that
-  ``torch/__init__.py`` copies from torch's C function table; the
-  original is whatever that class still holds under the name (patchers
-  replace the ``torch`` attribute, never the C class).
-
-Getting a replaced Python function back, most faithful first:
-
-1. **From the replacement itself.** Patches are wrappers, and a wrapper holds
-   what it wraps: PEFT's and accelerate's ``register_empty_parameter`` keeps
-   ``old_register_parameter`` in a closure cell, ``functools.wraps`` sets
-   ``__wrapped__``, ``functools.partial`` keeps ``func``. Walked breadth-first
-   through closures, defaults, partials and ``__wrapped__``.
-2. **From anywhere in the heap.** If anything at all still references the
-   original -- a patcher's saved copy (transformers' ``TORCH_INIT_FUNCTIONS``),
-   a torch module that bound it by name, metamode's own tables -- the
-   garbage collector's list of tracked objects contains it. Steps 1 and 2
-   return the *original object*, so identity checks elsewhere keep holding.
-3. **From torch's source file.** When nothing references the original any
-   more, its ``def`` is compiled again from the file that defines it, inside
-   that module's own namespace (and inside a stand-in ``class`` statement for
-   methods, so ``__qualname__`` and ``super()`` come out right), after checking
-   that the file still matches the loaded code. Behaviourally identical, but
-   a new object.
+"""Recognising torch's own functions by where they are defined, and getting them back once
+replaced; used by :func:`metamode.doctor`. How and why: docs/design.md, "doctor and originals".
 """
 
 from __future__ import annotations
@@ -120,8 +87,10 @@ def builtin_original(name: str) -> object | None:
 class FunctionSlot:
     """A Python function as torch defines it: home module and qualified name.
 
-    ``qualname`` is ``"Module.register_parameter"`` for a method of class
-    ``Module`` defined in ``home``, ``"uniform_"`` for a module-level function.
+    ``qualname`` is ``"Module.register_parameter"`` for a method of class ``Module``
+    defined in ``home``, ``"uniform_"`` for a module-level function. An object is the
+    original when it is a function of that qualified name compiled in ``home``'s namespace
+    (or torch's own decorator around one).
     """
 
     home: ModuleType
@@ -147,7 +116,14 @@ class FunctionSlot:
 def recover_all(
     slots: Iterable[FunctionSlot], currents: dict[FunctionSlot, object] | None = None
 ) -> dict[FunctionSlot, tuple[FunctionType, str]]:
-    """Recover several originals with at most one pass over the heap."""
+    """Recover several originals with at most one pass over the heap.
+
+    Returns slot -> (function, how it was found), tried in this order: inside the
+    replacement (closures, defaults, partials, ``__wrapped__``), anywhere still referenced
+    in the process (both give the original object), recompiled from torch's source file
+    when it still matches the loaded code (a new, equivalent object). Slots not recovered
+    are absent.
+    """
     currents = currents or {}
     found: dict[FunctionSlot, tuple[FunctionType, str]] = {}
     slots = list(dict.fromkeys(slots))

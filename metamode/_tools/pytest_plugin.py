@@ -1,31 +1,12 @@
 """pytest plugin: fail tests that leave global torch state changed.
 
-A test that builds a model through a helper which patches torch (or leaves a
-mode on the stack, or a default dtype) passes -- and every test after it runs
-in a corrupted process, failing somewhere far away. This plugin reports the
-leak at the test that caused it, naming what changed and, for replaced
-functions, what replaced them.
-
-Enable it (it is registered under the ``pytest11`` entry point ``metamode``,
-or with ``-p metamode._tools.pytest_plugin``), then either
-
-* strict mode for every test: ``pytest --metamode-strict``, or in the ini
-  file ``metamode_strict = true``; or
-* one test at a time: request the ``metamode_clean`` fixture.
-
-What is compared is :func:`metamode._diagnostics.invariants.snapshot` -- attributes of
-``torch.nn.Module``, ``torch.nn.init``, torch's factories and ``torch.Tensor``,
-torch's global registration hooks, default dtype and device, and the test
-thread's mode stack -- before the test's function-scoped fixtures are set up
-and after they are torn down. Session-, module- and class-scoped fixtures
-are outside that window, so a fixture that deliberately sets global state
-for a whole module is not blamed on its first test. A leak is reported as an
-error at the test's teardown (pytest's category for a failure detected
-there); the process is not repaired -- ``metamode.doctor(repair=True)`` does
-that.
-
-Nothing of torch or metamode's core is imported until the option, the ini
-key or the fixture is used: a run that uses none of them pays nothing.
+Enabled by the entry point ``metamode`` or ``-p metamode._tools.pytest_plugin``.
+``pytest --metamode-strict`` (ini: ``metamode_strict = true``) checks every test; the
+``metamode_clean`` fixture checks one. Compared: :func:`metamode._diagnostics.invariants.snapshot`
+before the test's function-scoped fixtures are set up and after they are torn down (wider
+fixtures are outside the window). A leak is an error at teardown, naming what changed and
+what replaced it; nothing is repaired. Nothing of torch or metamode's core is imported
+until the option, the ini key or the fixture is used.
 """
 
 from __future__ import annotations

@@ -1,37 +1,5 @@
-"""A thread-scoped ``no_init_weights`` that skips exactly what the library's skips.
-
-diffusers' and transformers 4.x's ``no_init_weights`` assign a no-op to the
-``torch.nn.init`` attributes named in their ``TORCH_INIT_FUNCTIONS``, process
-wide. So, stock, a call is skipped exactly when it looks one of those names up
-*as an attribute of* ``torch.nn.init`` while the context is active
-(``nn.init.normal_(w)``, ``torch.nn.init.xavier_uniform_(w)``); a name bound
-earlier (``from torch.nn.init import constant_``, as ``nn.MultiheadAttention``
-does), ``ones_``/``zeros_``/``fill_`` and direct ``param.normal_()`` still
-run. Skipping anything else would change the model: a missing key would keep
-uninitialised memory, and any call skipped or run differently would shift the
-random numbers every later initialisation draws.
-
-:class:`SkipLibraryInit` reproduces that rule in the calling thread only. A
-torch-function mode sees ``uniform_``, ``normal_``, ``constant_`` and
-``kaiming_uniform_`` as one call (they dispatch through
-``handle_torch_function``); the others only as the in-place tensor methods
-they run (``xavier_uniform_`` -> ``uniform_``, ``trunc_normal_`` ->
-``uniform_``, ``erfinv_``, ``mul_``...). For those candidate calls only, the
-mode walks up the Python frames past ``torch.nn.init`` and dispatch frames to
-the call site and reads, from the site's bytecode positions, which name the
-called expression ended with: the call is skipped when it is
-``<something>.NAME(...)`` with ``NAME`` in the library's list and
-``torch.nn.init.NAME`` is the function being run. A skipped call returns its
-tensor unchanged, writes nothing and draws no random numbers; everything else
-(shape arithmetic inside the init function, every other call) runs.
-
-Differences from stock that remain, all documented in the README: a skipped
-call returns the tensor where stock's no-op returns ``None``; a callable
-fetched from ``torch.nn.init`` *before* the call expression (``f =
-nn.init.normal_; f(w)``, ``getattr(nn.init, name)(w)``) runs where stock,
-inside the context, would skip it; and another torch-function mode's helper
-frames between the call site and ``torch.nn.init`` hide the site (the call
-then runs).
+"""A thread-scoped ``no_init_weights`` that skips exactly what the library's own skips
+(diffusers, transformers 4.x). Why: docs/design.md, "Shims".
 """
 
 from __future__ import annotations
@@ -139,7 +107,17 @@ def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
 
 
 class SkipLibraryInit(ThreadScopedMode):
-    """``no_init_weights`` for one library, in this thread: see the module docstring."""
+    """``no_init_weights`` for one library, in the calling thread only.
+
+    A call is skipped when its call site's expression was ``<something>.NAME(...)`` with
+    ``NAME`` in ``names`` and ``torch.nn.init.NAME`` the function being run, read from the
+    site's bytecode positions; the frames are inspected only for the candidate calls
+    (``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``, and the in-place
+    methods the other init functions run). A skipped call returns its tensor unchanged,
+    writes nothing and draws no random numbers; everything else runs. Differences from
+    stock: README, "Limitations"; also, another torch-function mode's helper frames between
+    the call site and ``torch.nn.init`` hide the site, and the call then runs.
+    """
 
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__()

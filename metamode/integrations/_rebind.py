@@ -1,23 +1,5 @@
-"""Atomic, reversible rebinding of a library's module-level names.
-
-The one place metamode changes another library's namespace. The rules:
-
-* Everything happens under one process-wide lock, and either every binding
-  changes or none does (a failure part-way rolls back what was applied).
-* Targets are found by *identity*: every module of the library (and of the
-  packages named in ``scan``: libraries that import it) whose namespace holds
-  the original object, under any name -- not a hard-coded list of
-  ``from ... import`` sites, which would go stale with each release.
-* The library's home module is rebound too, so modules imported *later*
-  pick up the replacement by their own ``from ... import``.
-* ``disable`` restores every binding that still holds our replacement,
-  including ones made by modules imported after ``enable``.
-* A library whose internals lack the expected names gets a clear error naming
-  its version and the missing names, and nothing is changed.
-* What was replaced is recorded here, keyed by ``(home_module, name)``, and
-  every replacement is tagged with that key: after ``importlib.reload`` of an
-  integration module (new replacement objects, new ``Rebinding``), ``disable``
-  still finds the old replacements and restores the library's originals.
+"""Atomic, reversible rebinding of a library's module-level names: the one place metamode
+changes another library's namespace. The rules: docs/design.md, "Shims".
 """
 
 from __future__ import annotations
@@ -58,8 +40,13 @@ class IncompatibleLibraryError(RuntimeError):
 class Rebinding:
     """Replace ``home_module``'s ``names`` (and every alias of them) in ``package``.
 
-    ``scan`` names further top-level packages whose modules are searched for
-    aliases too (``from accelerate import init_empty_weights`` in diffusers).
+    ``enable`` rebinds, under ``_LOCK`` and all or nothing, the home module and every module
+    of ``package`` and of the packages in ``scan`` (``from accelerate import
+    init_empty_weights`` in diffusers) whose namespace holds an original, found by identity;
+    it raises ``IncompatibleLibraryError`` naming the version and the missing names, with
+    nothing changed, when the home module lacks one. ``disable`` restores every binding that
+    still holds a replacement, including those of modules imported later and of
+    replacements made before an ``importlib.reload`` of the integration.
     """
 
     package: str

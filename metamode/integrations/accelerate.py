@@ -1,23 +1,7 @@
-"""Route accelerate's ``init_empty_weights`` / ``init_on_device`` through metamode.
-
-accelerate's contexts assign a wrapper to ``torch.nn.Module.register_parameter``
-on entry and put back the value they captured on exit (with
-``include_buffers=True`` they enter ``with torch.device(device):`` instead,
-which also sets torch's process-global ``CURRENT_DEVICE``). A second thread
-entering while the first is active captures the wrapper; if the first exits
-first, the second "restores" the wrapper, and every model built afterwards,
-anywhere in the process, has its parameters on ``meta``. diffusers'
-``ModelMixin.from_pretrained(low_cpu_mem_usage=True)`` enters
-``accelerate.init_empty_weights()`` on every load.
-
-The shim rebinds the two functions, by identity, in ``accelerate.big_modeling``,
-the ``accelerate`` package itself (``accelerate.init_empty_weights()`` call
-sites look it up there at call time), and every imported module of
-accelerate, diffusers, transformers and PEFT that bound them by name
-(``from accelerate import init_empty_weights``). Modules imported later get
-the replacement from their own ``from accelerate import ...``. Names bound in
-*your* modules before enabling are not touched: import them after enabling,
-or call ``accelerate.init_empty_weights()`` through the package.
+"""Shim for accelerate's ``init_empty_weights`` / ``init_on_device``: rebound, by identity,
+in accelerate and in every imported accelerate, diffusers, transformers and PEFT module
+that bound them. What stock does: docs/design.md, "Shims"; names bound in your own
+modules: README, "Limitations".
 """
 
 from __future__ import annotations

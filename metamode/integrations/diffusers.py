@@ -1,28 +1,7 @@
-"""Route diffusers' model-loading contexts through metamode.
-
-``ModelMixin.from_pretrained`` builds the model inside two contexts:
-
-* ``no_init_weights()`` (``diffusers.models.modeling_utils``) assigns a no-op
-  to 14 ``torch.nn.init`` functions for the whole process and assigns torch's
-  back on exit. While any thread is loading, every other thread's new modules
-  keep uninitialised memory (nothing raises), and the first load to finish
-  re-enables initialisation under the loads still running.
-* with ``low_cpu_mem_usage=True`` (the default), ``accelerate.init_empty_weights()``,
-  which patches ``torch.nn.Module.register_parameter`` and can leak the patch
-  (see :mod:`metamode.integrations.accelerate`).
-
-The shim rebinds ``no_init_weights`` to a thread-scoped context that skips
-exactly the calls diffusers' skips -- ``torch.nn.init.<name>`` for the names
-in diffusers' own ``TORCH_INIT_FUNCTIONS``, and nothing else (see
-:mod:`metamode.integrations._exact_skip`), so a load comes out bitwise as it
-does stock, complete checkpoint or not -- (by identity, wherever diffusers
-bound it; ``from_pretrained`` looks it up in its module at call time) and
-enables the accelerate shim. No class attribute is
-touched, which leaves one thing process-global: with ``torch_dtype=...``,
-``from_pretrained`` calls ``cls._set_default_torch_dtype(torch_dtype)`` -- a
-classmethod -- and later ``torch.set_default_dtype(dtype_orig)``. Neither is
-a module-level name, so concurrent loads with ``torch_dtype`` still race on
-torch's default dtype (see the README's "Limitations").
+"""Shim for diffusers: ``ModelMixin.from_pretrained``'s ``no_init_weights`` made thread-scoped
+(exact skip, :mod:`metamode.integrations._exact_skip`), plus the accelerate shim for its
+``low_cpu_mem_usage`` path. What stock does: docs/design.md, "Shims"; ``torch_dtype=``
+stays global: README, "Limitations".
 """
 
 from __future__ import annotations
@@ -60,17 +39,12 @@ _TURNED_ON = "diffusers turned accelerate on"
 def enable_for_diffusers() -> tuple[str, ...]:
     """Make diffusers' ``ModelMixin.from_pretrained`` build models thread-scoped.
 
-    Rebinds ``no_init_weights`` to a thread-scoped context that skips exactly
-    the ``torch.nn.init`` calls diffusers' own skips (its
-    ``TORCH_INIT_FUNCTIONS``, read now), so models come out bitwise as stock; and,
-    if accelerate is installed, enables :func:`metamode.enable_for_accelerate`
-    (diffusers' ``low_cpu_mem_usage`` path enters
-    ``accelerate.init_empty_weights``). All or nothing, under a lock;
-    idempotent; safe before or after diffusers' submodules are imported.
-
-    Loads with ``torch_dtype=`` still set torch's process-wide default dtype
-    while the model is built: diffusers does that through a classmethod,
-    which metamode does not replace.
+    Rebinds ``no_init_weights`` (by identity, wherever diffusers bound it) to a
+    thread-scoped context that skips exactly the ``torch.nn.init`` calls diffusers' own
+    skips (its ``TORCH_INIT_FUNCTIONS``, read now), so models come out bitwise as stock;
+    and, if accelerate is installed, enables :func:`metamode.enable_for_accelerate`.
+    All or nothing, under a lock; idempotent; safe before or after diffusers' submodules
+    are imported. Loads with ``torch_dtype=`` still set torch's process-wide default dtype.
 
     Returns the rebound ``module.name`` bindings (accelerate's included).
 

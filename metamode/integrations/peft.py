@@ -1,26 +1,6 @@
-"""Route PEFT's ``low_cpu_mem_usage`` path through metamode.
-
-PEFT (``peft.utils.integrations``) carries a copy of accelerate's
-``init_empty_weights``: it assigns a wrapper to
-``torch.nn.Module.register_parameter`` on entry and puts back the value it
-captured on exit, and ``_skip_init_on_device`` flips a process-global
-``_init_on_device._skip``. Two threads whose contexts overlap lose and then
-leak that patch. The shim rebinds the three module-level names to metamode's
-thread-scoped contexts; every PEFT call site reaches them:
-
-* ``tuners_utils``, ``peft_model``, ``adalora.layer`` bound them with
-  ``from peft.utils.integrations import ...`` -- found by identity and rebound;
-* ``skip_init_on_device`` (the decorator on LoRA's MultiheadAttention
-  ``_restore_weights``) and PEFT's ``init_empty_weights`` look the names up in
-  ``peft.utils.integrations`` at call time -- rebound there.
-
-Toggling the shim while another thread is inside a *stock* PEFT context is
-safe: stock ``_skip_init_on_device`` and ``_init_on_device``'s patch look
-``_init_on_device`` up again (to set, restore and read its ``_skip`` flag)
-at exit and at every parameter registration, so they may meet either
-function. metamode's replacement forwards ``_skip`` reads and writes to
-PEFT's own function: there is one flag, whichever function a stock context
-finds, and an exit after the shim was toggled restores it where it was set.
+"""Shim for PEFT's ``low_cpu_mem_usage`` path: ``init_empty_weights``, ``_init_on_device``
+and ``_skip_init_on_device`` of ``peft.utils.integrations`` rebound to thread-scoped
+contexts (README, "How it works"; why a toggle is safe: docs/design.md, "Shims").
 """
 
 from __future__ import annotations
@@ -61,9 +41,8 @@ def _include_buffers(value: bool | None) -> bool:
 class _InitOnDevice:
     """metamode's replacement for ``peft.utils.integrations._init_on_device``.
 
-    Called like PEFT's; its ``_skip`` attribute *is* PEFT's function's (see
-    the module docstring), so stock contexts in flight across a toggle
-    restore the flag they set.
+    Called like PEFT's; reads and writes of its ``_skip`` attribute go to PEFT's function's,
+    so there is one flag whichever function a stock context finds.
     """
 
     def __call__(self, device: torch.device, include_buffers: bool | None = None) -> EmptyWeights:
@@ -124,13 +103,11 @@ _PEFT = Rebinding(
 def enable_for_peft() -> tuple[str, ...]:
     """Make PEFT's ``low_cpu_mem_usage=True`` path thread-safe.
 
-    Rebinds ``init_empty_weights``, ``_init_on_device`` and
-    ``_skip_init_on_device`` in ``peft.utils.integrations`` and in every
-    imported PEFT module that bound them by name, all at once under a lock.
-    Safe to call before or after PEFT's submodules are imported, and more than
-    once. Memory savings are unchanged: LoRA weights are still created on
-    ``meta`` and materialised by ``set_peft_model_state_dict(...,
-    low_cpu_mem_usage=True)``.
+    Rebinds ``init_empty_weights``, ``_init_on_device`` and ``_skip_init_on_device`` in
+    ``peft.utils.integrations`` and in every imported PEFT module that bound them by name,
+    all at once under a lock. Safe before or after PEFT's submodules are imported, and more
+    than once. LoRA weights are still created on ``meta`` and materialised by
+    ``set_peft_model_state_dict(..., low_cpu_mem_usage=True)``.
 
     Returns the rebound ``module.name`` bindings.
 

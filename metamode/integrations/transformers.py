@@ -1,72 +1,11 @@
-"""Route what transformers' model-building contexts can safely give up through metamode.
+"""Shim for transformers' model-building contexts, 4.x and 5.x.
 
-``PreTrainedModel.from_pretrained`` (transformers 5) builds the model inside
-the contexts listed by ``get_init_context``, and every one of them changes
-process-global state. Two can be made thread-scoped without changing what
-the model comes out as; transformers looks both up at call time
-(``init.meta_device_safe_creation_ops()``, ``init.no_tie_weights()``), so the
-shim rebinds the names in ``transformers.initialization``:
-
-* ``meta_device_safe_creation_ops()`` assigns a wrapper to ``torch.linspace``
-  (every thread's ``linspace`` defaults to cpu meanwhile, and overlapping
-  loads can leave the wrapper in place). Rebound to a mode doing the same for
-  the calling thread only.
-* ``no_tie_weights()`` assigns ``PreTrainedModel.tie_weights`` a no-op and
-  restores what it captured: two overlapping loads (A enters, B enters, A
-  exits, B exits) leave the no-op on the class, and every tied model loaded
-  afterwards keeps ``lm_head.weight`` on meta, untied. Rebound to
-  :class:`NoTieWeights`: ``PreTrainedModel.tie_weights`` ties by
-  ``setattr(parent, name, source_param)``, which registers the parameter
-  through torch's global registration hooks; while the mode is on the calling
-  thread's stack, metamode's hooks keep the tensor the module already holds
-  when the assignment comes from ``tie_weights``'s body. The model is built
-  exactly as stock's no-op leaves it (``tests/unit/integrations/test_transformers_ties.py``
-  compares both, and ``from_pretrained`` with and without the shim); after
-  loading, transformers ties again, outside the context.
-
-The shim rebinds whichever of the two names the installed 5.x has (5.23 and
-5.24 have both, with the same code) and leaves transformers alone, saying so
-in ``EnableResult.left_alone``, when it has neither. The others stay as they
-are (README, "Limitations"):
-
-* ``modeling_utils.local_torch_dtype(dtype)`` calls
-  ``torch.set_default_dtype``. :func:`metamode.default_dtype` could replace it
-  for the factory functions, but 23 modeling files of transformers 5.23 call
-  ``torch.get_default_dtype()``, which no mode can reach, and several build a
-  buffer with it in ``__init__`` (XGLM, M2M100, Musicgen...): loaded with
-  ``dtype=torch.float16`` they would keep a float32 buffer and fail in
-  ``forward`` (``tests/integration/test_integrations_hf.py`` shows the buffer on XGLM). A
-  per-thread default dtype needs torch's help (pytorch#120819, #144673).
-* ``initialization.no_init_weights`` (DeepSpeed ZeRO-3 only) assigns
-  ``PreTrainedModel.init_weights`` and ``torch.nn.init`` functions: a class
-  attribute, which metamode never assigns.
-* ``guard_torch_init_functions`` assigns ``torch.nn.init`` functions in ten
-  torch modules around ``initialize_weights``; it was bound by a decorator
-  when ``PreTrainedModel`` was defined, so there is no name to rebind.
-* ``torch.device("meta")`` sets torch's process-global ``CURRENT_DEVICE``.
-
-So concurrent ``from_pretrained`` calls are still not safe with transformers 5.
-
-transformers 4.x (``modeling_utils``, no ``initialization`` module) builds the
-model inside ``no_init_weights()`` and, when not under DeepSpeed, its *own*
-copy of accelerate's ``init_empty_weights()``
-(``transformers.integrations.accelerate``; it assigns
-``nn.Module.register_parameter`` like accelerate's and is not accelerate's
-function, so the accelerate shim does not reach it): the shim rebinds that
-copy and ``init_on_device`` to :func:`metamode.empty_weights` contexts (same
-arguments; ``include_buffers`` defaults to False as there). ``no_init_weights`` assigns a no-op
-to the ``torch.nn.init`` functions in ``TORCH_INIT_FUNCTIONS`` and sets the
-module-global ``_init_weights = False``, which ``PreTrainedModel.init_weights``
-reads to skip ``initialize_weights()``/``tie_weights()`` while the model is
-built (so that modules are not marked ``_is_hf_initialized`` and missing keys
-get initialised after loading). Both are process-wide. The shim rebinds
-``no_init_weights`` to a context that skips exactly the calls stock skips, in
-the calling thread (:mod:`metamode.integrations._exact_skip`), and rebinds
-``_init_weights`` -- a module-level name -- to an object whose truth value is
-per thread (``True`` outside such a context, like stock's default). What stays
-process-global in 4.x: ``torch_dtype=`` (``cls._set_default_dtype``, a
-classmethod, and ``restore_default_dtype``) and, under DeepSpeed ZeRO-3,
-``deepspeed.zero.Init``.
+5.x: rebinds ``transformers.initialization.meta_device_safe_creation_ops`` and
+``no_tie_weights``, whichever exist. 4.x (no ``initialization`` module): rebinds
+``modeling_utils.no_init_weights`` and ``_init_weights`` and
+``integrations.accelerate.init_empty_weights``/``init_on_device``. What each stock context
+does and why these names: docs/design.md, "transformers versions"; what stays
+process-global: README, "Limitations".
 """
 
 from __future__ import annotations
@@ -91,13 +30,8 @@ __all__ = ["disable_for_transformers", "enable_for_transformers"]
 class LinspaceOnCpu(ThreadScopedMode):
     """``torch.linspace`` without ``device=`` makes cpu tensors, in this thread.
 
-    transformers builds models under ``torch.device("meta")``; remote-code
-    models call ``.item()`` on ``linspace`` results in ``__init__``, which
-    fails on meta. This is transformers' ``meta_device_safe_creation_ops``
-    (same rule: only when ``device`` is not passed at all) without the
-    process-wide assignment to ``torch.linspace``. ``torch.device("meta")``
-    keeps its own mode at the bottom of the stack, so this one sees the call
-    first, as transformers' wrapper did.
+    transformers' ``meta_device_safe_creation_ops`` (same rule: only when ``device`` is not
+    passed at all) without assigning ``torch.linspace``.
     """
 
     def _fresh(self) -> LinspaceOnCpu:
@@ -137,23 +71,13 @@ _TIE_WEIGHTS = "tie_weights"  # PreTrainedModel's method, found by its code's na
 class NoTieWeights(KeepRegistered):
     """transformers' ``no_tie_weights``, in the calling thread only.
 
-    Stock replaces ``PreTrainedModel.tie_weights`` with a no-op for every
-    thread. ``PreTrainedModel.tie_weights`` ties by assignment -- for each
-    ``{target: source}`` pair, ``setattr(parent, name, source_param)`` --
-    which registers ``source_param`` under ``name`` through torch's global
-    registration hooks. Here, while this mode is on this thread's stack, the
-    hooks keep the parameter (or buffer) the module already holds whenever the
-    assignment comes from ``PreTrainedModel.tie_weights``'s body (a frame
-    running its code is on the calling stack). Every tie it makes is undone
-    at the moment it is made, so the model keeps the separate parameters
-    stock's no-op leaves it. Overrides of ``tie_weights`` in model classes
-    run as they do under stock (stock only replaces ``PreTrainedModel``'s);
-    ties they make themselves are kept, their ``super().tie_weights()`` is not.
-
-    What still runs that stock's no-op skips: the body's reads (the tied-keys
-    mapping, ``get_parameter_or_buffer``) and ``_adjust_bias``, which pads the
-    output layer's bias to the rows of its weight -- its own weight, as the
-    tie did not happen, so a ``Linear``'s bias is re-set to an equal copy.
+    While this mode is on the thread's stack, an assignment made by the body of
+    ``PreTrainedModel.tie_weights`` (a frame running its code from ``filename`` is on the
+    calling stack) keeps the parameter or buffer the module already holds, so every tie is
+    undone as it is made and the model keeps the separate parameters stock's no-op leaves it.
+    Overrides of ``tie_weights`` in model classes run as under stock: ties they make themselves
+    are kept, their ``super().tie_weights()`` is not. Remaining differences from stock's no-op:
+    README, "Limitations".
     """
 
     def __init__(self, filename: str | None) -> None:
@@ -324,27 +248,21 @@ def _disable_4() -> tuple[str, ...]:
 
 
 def enable_for_transformers() -> tuple[str, ...]:
-    """Make transformers' ``torch.linspace`` and ``tie_weights`` patches thread-scoped.
+    """Make transformers' model-building contexts thread-scoped where they can be.
 
-    Rebinds ``transformers.initialization.meta_device_safe_creation_ops``
-    and ``no_tie_weights`` (entered by ``from_pretrained`` while it builds
-    the model), where they exist, to contexts that send this thread's
-    device-less ``torch.linspace`` calls to cpu and stop
-    ``PreTrainedModel.tie_weights`` from tying in this thread, instead of
-    assigning ``torch.linspace`` and ``PreTrainedModel.tie_weights``; atomic,
-    under a lock; idempotent.
+    transformers 5: rebinds ``transformers.initialization.meta_device_safe_creation_ops``
+    and ``no_tie_weights``, where they exist, to contexts acting in the calling thread only
+    (device-less ``torch.linspace`` calls go to cpu; ``PreTrainedModel.tie_weights`` does
+    not tie). Concurrent ``from_pretrained`` calls are still not safe: the default dtype and
+    ``torch.nn.init`` stay process-wide (README, "Limitations"). A 5.x with neither name is
+    left alone: returns ``()`` and says why in ``EnableResult.left_alone``.
 
-    This does **not** make concurrent ``from_pretrained`` calls safe: the
-    default dtype and ``torch.nn.init`` are still set process-wide by
-    transformers, for the reasons in :mod:`metamode.integrations.transformers`.
+    transformers 4.x: rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` and
+    ``integrations.accelerate.init_empty_weights``/``init_on_device`` to thread-scoped
+    equivalents that build exactly the stock model; with the accelerate shim, concurrent
+    same-dtype ``from_pretrained`` calls are safe.
 
-    On transformers 4.x (no ``transformers.initialization``) it instead
-    rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` to
-    thread-scoped equivalents that build exactly the stock model; with the
-    accelerate shim that makes concurrent same-dtype ``from_pretrained`` calls
-    safe on 4.x (see the module docstring for what stays global).
-
-    Returns the rebound ``module.name`` bindings.
+    Atomic, under a lock; idempotent. Returns the rebound ``module.name`` bindings.
 
     Raises:
         ImportError: transformers is not installed.
