@@ -168,9 +168,6 @@ class DefaultDtype(ThreadScopedMode):
         self.dtype = dtype
         self._complex = torch.complex128 if dtype == torch.float64 else torch.complex64
 
-    def _fresh(self) -> DefaultDtype:
-        return DefaultDtype(self.dtype)
-
     def _settings(self) -> tuple:
         return (self.dtype,)
 

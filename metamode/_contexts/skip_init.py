@@ -58,12 +58,6 @@ def skipped_parameter(func: Any, args: tuple, kwargs: dict) -> Parameter | None:
 class SkipInit(ThreadScopedMode):
     """Leave parameters as allocated: see :func:`skip_init`."""
 
-    def _fresh(self) -> SkipInit:
-        return SkipInit()
-
-    def _settings(self) -> tuple:
-        return ()
-
     def __repr__(self) -> str:
         return "metamode.skip_init()"
 

@@ -21,7 +21,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -120,17 +120,13 @@ class ThreadScopedMode(TorchFunctionMode):
         self._owner_name = ""
 
     # -- subclass interface -------------------------------------------------
-    def _fresh(self) -> ThreadScopedMode:
+    def _settings(self) -> tuple:
+        """The constructor's arguments: equal settings, equal effect."""
+        return ()
+
+    def _fresh(self) -> Self:
         """A new, un-entered context with the same settings."""
-        raise NotImplementedError
-
-    def _settings(self) -> tuple | None:
-        """What a fresh copy would do differently; equal settings, equal effect.
-
-        None (the default) means never equal, so a decorated call never
-        reuses an enclosing context of this class.
-        """
-        return None
+        return type(self)(*self._settings())
 
     def _after_enter(self) -> None:
         """Called once this mode is on the stack."""
@@ -245,8 +241,7 @@ class ThreadScopedMode(TorchFunctionMode):
             # recursive calls made 300-deep dispatch and a RecursionError.
             current = _stack.top()
             if (
-                settings is not None
-                and type(current) is type(self)
+                type(current) is type(self)
                 and current._state == _ENTERED
                 and current._settings() == settings
             ):
@@ -299,9 +294,6 @@ class EmptyWeights(ThreadScopedMode):
         self._moved: torch.utils.weak.WeakIdKeyDictionary | None = None
         # What metamode.materialize replays (metamode._core.trace); meta device only.
         self._trace: Trace | None = None
-
-    def _fresh(self) -> EmptyWeights:
-        return EmptyWeights(self.device, self.include_buffers, self.replayable)
 
     def _settings(self) -> tuple:
         return (self.device, self.include_buffers, self.replayable)
@@ -385,12 +377,6 @@ class SkipEmptyWeights(ThreadScopedMode):
     def __init__(self) -> None:
         super().__init__()
         self._suspends: list[EmptyWeights] = []
-
-    def _fresh(self) -> SkipEmptyWeights:
-        return SkipEmptyWeights()
-
-    def _settings(self) -> tuple:
-        return ()
 
     def __repr__(self) -> str:
         return "metamode.skip_empty_weights()"

@@ -123,8 +123,8 @@ class SkipLibraryInit(ThreadScopedMode):
         super().__init__()
         self.names = names
 
-    def _fresh(self) -> SkipLibraryInit:
-        return SkipLibraryInit(self.names)
+    def _settings(self) -> tuple:
+        return (self.names,)
 
     def __repr__(self) -> str:
         return f"metamode.integrations.SkipLibraryInit({sorted(self.names)})"

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
 from types import FrameType
 
 import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
+from metamode._core import stack as _stack
 from metamode._core.modes import EmptyWeights, KeepRegistered, ThreadScopedMode
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
@@ -33,12 +33,6 @@ class LinspaceOnCpu(ThreadScopedMode):
     transformers' ``meta_device_safe_creation_ops`` (same rule: only when ``device`` is not
     passed at all) without assigning ``torch.linspace``.
     """
-
-    def _fresh(self) -> LinspaceOnCpu:
-        return LinspaceOnCpu()
-
-    def _settings(self) -> tuple:
-        return ()
 
     def __repr__(self) -> str:
         return "metamode.integrations.transformers.LinspaceOnCpu()"
@@ -84,8 +78,8 @@ class NoTieWeights(KeepRegistered):
         super().__init__()
         self.filename = filename
 
-    def _fresh(self) -> NoTieWeights:
-        return NoTieWeights(self.filename)
+    def _settings(self) -> tuple:
+        return (self.filename,)
 
     def __repr__(self) -> str:
         return "metamode.integrations.transformers.NoTieWeights()"
@@ -121,44 +115,25 @@ _TRANSFORMERS_TIES = Rebinding(
 class InitWeightsFlag:
     """transformers 4.x's ``modeling_utils._init_weights``, one value per thread.
 
-    ``if _init_weights:`` reads this thread's value: ``False`` inside
-    metamode's ``no_init_weights`` in this thread, the default (the value
-    the module held when the shim was enabled) everywhere else.
+    ``if _init_weights:`` is False while this thread's stack holds an active
+    :class:`NoInitWeights`, else ``default`` (the value the module held when
+    the shim was enabled). Derived from the stack, so no exit order can leave
+    it wrong.
     """
 
     def __init__(self, default: bool) -> None:
         self.default = default
-        self._local = threading.local()
 
     def __bool__(self) -> bool:
-        return getattr(self._local, "value", self.default)
-
-    def set(self, value: bool) -> bool:
-        """Set this thread's value; returns the previous one."""
-        previous = bool(self)
-        self._local.value = value
-        return previous
+        return self.default and _stack.innermost(NoInitWeights, skip_inert=True) is None
 
     def __repr__(self) -> str:
         return f"<metamode per-thread transformers _init_weights: {bool(self)} in this thread>"
 
 
 class NoInitWeights(SkipLibraryInit):
-    """transformers 4.x's ``no_init_weights``, in the calling thread only."""
-
-    def __init__(self, names: frozenset[str], flag: InitWeightsFlag) -> None:
-        super().__init__(names)
-        self._flag = flag
-        self._previous = True
-
-    def _fresh(self) -> NoInitWeights:
-        return NoInitWeights(self.names, self._flag)
-
-    def _after_enter(self) -> None:
-        self._previous = self._flag.set(False)
-
-    def _before_exit(self) -> None:
-        self._flag.set(self._previous)
+    """transformers 4.x's ``no_init_weights``, in the calling thread only
+    (``_init_weights`` reads False meanwhile: :class:`InitWeightsFlag`)."""
 
     def __repr__(self) -> str:
         return "metamode.integrations.transformers.NoInitWeights()"
@@ -187,11 +162,7 @@ _FLAG = "transformers: _init_weights flag"  # SHARED key
 
 def no_init_weights() -> NoInitWeights:
     """metamode's replacement for transformers 4.x ``modeling_utils.no_init_weights``."""
-    flag = SHARED.get(_FLAG)
-    if flag is None:  # the shim was disabled while a caller held this function
-        flag = InitWeightsFlag(True)
-    names = library_init_names(sys.modules[_MODELING_UTILS])
-    return NoInitWeights(names, flag)
+    return NoInitWeights(library_init_names(sys.modules[_MODELING_UTILS]))
 
 
 _TRANSFORMERS_4 = Rebinding(

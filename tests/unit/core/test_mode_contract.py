@@ -30,11 +30,11 @@ from metamode import ContextMisuseError
 from metamode._contexts.default_dtype import DefaultDtype
 from metamode._contexts.skip_init import SkipInit
 from metamode._core import stack as _stack
-from metamode._core.modes import EmptyWeights, SkipEmptyWeights, ThreadScopedMode
+from metamode._core.modes import EmptyWeights, KeepRegistered, SkipEmptyWeights, ThreadScopedMode
 from metamode._core.stack import stack_depth
 from metamode._torch import pop_mode
 from metamode.integrations._exact_skip import SkipLibraryInit
-from metamode.integrations.transformers import InitWeightsFlag, LinspaceOnCpu, NoInitWeights
+from metamode.integrations.transformers import LinspaceOnCpu, NoInitWeights, NoTieWeights
 from metamode.lab.threads import WAIT_S
 
 # One factory per class: each call builds a fresh, never-entered context.
@@ -45,8 +45,11 @@ FACTORIES: dict[type[ThreadScopedMode], Callable[[], ThreadScopedMode]] = {
     DefaultDtype: lambda: metamode.default_dtype(torch.float64),
     LinspaceOnCpu: LinspaceOnCpu,
     SkipLibraryInit: lambda: SkipLibraryInit(frozenset({"normal_"})),
-    NoInitWeights: lambda: NoInitWeights(frozenset({"normal_"}), InitWeightsFlag(True)),
+    NoInitWeights: lambda: NoInitWeights(frozenset({"normal_"})),
+    NoTieWeights: lambda: NoTieWeights(None),
 }
+# Bases that are never entered themselves (their subclasses are in FACTORIES).
+ABSTRACT = {KeepRegistered}
 
 # The packages whose modules define context classes.
 _PACKAGES = ("metamode._core", "metamode._contexts", "metamode.integrations")
@@ -127,7 +130,7 @@ def _metamode_mode_classes() -> set[type]:
 def test_every_mode_class_has_a_factory():
     classes = _metamode_mode_classes()
     assert EmptyWeights in classes and NoInitWeights in classes, "the walk found the classes"
-    missing = sorted(cls.__qualname__ for cls in classes - set(FACTORIES))
+    missing = sorted(cls.__qualname__ for cls in classes - set(FACTORIES) - ABSTRACT)
     assert not missing, f"ThreadScopedMode subclasses without a factory in FACTORIES: {missing}"
     stale = sorted(cls.__qualname__ for cls in set(FACTORIES) - classes)
     assert not stale, f"FACTORIES names classes that are not metamode modes: {stale}"
@@ -411,12 +414,11 @@ def test_a_decorated_function_runs_in_several_threads_at_once(make):
 
 
 @every_mode
-def test_decorated_recursion_reuses_an_equal_context_only_where_settings_say_so(make):
-    # With _settings() (not None), a call directly inside an equal, active
-    # context of its class runs in it; with None, every call pushes a fresh one.
+def test_decorated_recursion_reuses_an_equal_active_context(make):
+    # A call directly inside an equal (same class, same _settings()), active
+    # context runs in it rather than pushing another.
     base = stack_depth()
     decorator = make()
-    reuses = decorator._settings() is not None
     depths: list[int] = []
     tops: list[Any] = []
 
@@ -428,11 +430,7 @@ def test_decorated_recursion_reuses_an_equal_context_only_where_settings_say_so(
             recurse(levels - 1)
 
     recurse(3)
-    if reuses:
-        assert depths == [base + 1] * 4 and all(top is tops[0] for top in tops)
-    else:
-        assert depths == [base + 1, base + 2, base + 3, base + 4]
-        assert len({id(top) for top in tops}) == 4
+    assert depths == [base + 1] * 4 and all(top is tops[0] for top in tops)
     assert stack_depth() == base
 
 
