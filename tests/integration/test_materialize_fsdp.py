@@ -3,8 +3,12 @@ and the gathered model equals eager construction. Two gloo processes on loopback
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import socket
+import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -33,6 +37,28 @@ def build() -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _full_values_watched() -> Iterator[list[int]]:
+    """Elements of earlier full (unsharded) values still alive each time one is sharded."""
+    from metamode._contexts import materialize as materialize_module
+
+    shard = materialize_module._local_shard
+    earlier: list[weakref.ref] = []
+    alive_at_shard: list[int] = []
+
+    def watched(tensor, value):
+        gc.collect()
+        alive_at_shard.append(sum(t.numel() for r in earlier if (t := r()) is not None))
+        earlier.append(weakref.ref(value))
+        return shard(tensor, value)
+
+    materialize_module._local_shard = watched
+    try:
+        yield alive_at_shard
+    finally:
+        materialize_module._local_shard = shard
+
+
 def _worker(rank: int, port: int, include_buffers: bool, results) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -52,8 +78,15 @@ def _worker(rank: int, port: int, include_buffers: bool, results) -> None:
         fully_shard(model)
         local_before = {n: p.to_local().shape for n, p in model.named_parameters()}
         ids = {n: id(p) for n, p in model.named_parameters()}
-        assert metamode.materialize(model) is model
+        largest = max(p.numel() for p in model.parameters())
+        with _full_values_watched() as alive_at_shard:
+            assert metamode.materialize(model) is model
         problems = []
+        # Each full value is sharded as soon as it is final and then dropped: when a
+        # parameter is sharded, the full values of the earlier ones are gone (at most
+        # about one full parameter beyond the local shards).
+        if len(alive_at_shard) != len(ids) or max(alive_at_shard) > largest:
+            problems.append(f"full values alive at each shard: {alive_at_shard} > {largest}")
         for name, param in model.named_parameters():
             if id(param) != ids[name]:
                 problems.append(f"{name}: new object")
