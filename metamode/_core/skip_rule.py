@@ -16,17 +16,19 @@ import torch
 
 from metamode._torch import default_torch_function
 
-__all__ = ["POINTLESS_ON_META", "bound_in_nn_init", "skipped_target"]
+__all__ = [
+    "POINTLESS_ON_META",
+    "RANDOM_INIT_FUNCTIONS",
+    "VALUE_WRITING_METHOD_NAMES",
+    "bound_in_nn_init",
+    "skipped_target",
+]
 
-_INIT_FUNCTIONS = (
+# The torch.nn.init functions that draw random numbers ...
+RANDOM_INIT_FUNCTIONS = (
     "uniform_",
     "normal_",
     "trunc_normal_",
-    "constant_",
-    "ones_",
-    "zeros_",
-    "eye_",
-    "dirac_",
     "xavier_uniform_",
     "xavier_normal_",
     "kaiming_uniform_",
@@ -34,6 +36,8 @@ _INIT_FUNCTIONS = (
     "orthogonal_",
     "sparse_",
 )
+# ... and all that only write values.
+_INIT_FUNCTIONS = (*RANDOM_INIT_FUNCTIONS, "constant_", "ones_", "zeros_", "eye_", "dirac_")
 # In-place methods whose result does not depend on the tensor's current values
 # (metamode.skip_init skips these on real parameters too).
 OVERWRITING_METHOD_NAMES = (
@@ -49,7 +53,7 @@ OVERWRITING_METHOD_NAMES = (
     "bernoulli_",
 )
 # On a meta tensor, value arithmetic computes nothing either.
-_VALUE_WRITING_METHODS = (
+VALUE_WRITING_METHOD_NAMES = (
     *OVERWRITING_METHOD_NAMES,
     "erfinv_",
     "clamp_",
@@ -61,7 +65,7 @@ _VALUE_WRITING_METHODS = (
 
 _INIT_MODULE = vars(torch.nn.init)
 _INIT_NAMES = frozenset(_INIT_FUNCTIONS)
-_METHODS = frozenset(getattr(torch.Tensor, name) for name in _VALUE_WRITING_METHODS)
+_METHODS = frozenset(getattr(torch.Tensor, name) for name in VALUE_WRITING_METHOD_NAMES)
 POINTLESS_ON_META: frozenset[Any] = frozenset(
     [_INIT_MODULE[name] for name in _INIT_FUNCTIONS] + list(_METHODS)
 )

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from metamode._core.skip_rule import RANDOM_INIT_FUNCTIONS
+
 __all__ = ["Trace", "registry_entry"]
 
 _TENSOR = torch.Tensor
@@ -47,19 +49,7 @@ _RANDOM_FUNCS = frozenset(
         _TENSOR.multinomial,
     ]
 )
-_RANDOM_INIT_NAMES = frozenset(
-    [
-        "uniform_",
-        "normal_",
-        "trunc_normal_",
-        "xavier_uniform_",
-        "xavier_normal_",
-        "kaiming_uniform_",
-        "kaiming_normal_",
-        "orthogonal_",
-        "sparse_",
-    ]
-)
+_RANDOM_INIT_NAMES = frozenset(RANDOM_INIT_FUNCTIONS)
 # Random calls that cannot take a generator: everything drawn after them is refused.
 _UNSEEDABLE = frozenset(
     [

@@ -14,7 +14,7 @@ import torch
 import torch.overrides
 
 from metamode._core.modes import ThreadScopedMode
-from metamode._core.skip_rule import split_target
+from metamode._core.skip_rule import VALUE_WRITING_METHOD_NAMES, split_target
 
 __all__ = ["SkipLibraryInit", "library_init_names"]
 
@@ -22,20 +22,7 @@ _INIT_DICT = vars(torch.nn.init)
 _OVERRIDES_DICT = vars(torch.overrides)
 # In-place methods the torch.nn.init functions write values with.
 _WRITING_METHODS = frozenset(
-    getattr(torch.Tensor, name)
-    for name in (
-        "uniform_",
-        "normal_",
-        "fill_",
-        "zero_",
-        "erfinv_",
-        "clamp_",
-        "mul_",
-        "add_",
-        "sub_",
-        "div_",
-        "copy_",
-    )
+    getattr(torch.Tensor, name) for name in (*VALUE_WRITING_METHOD_NAMES, "copy_")
 )
 _CALLS = frozenset(("CALL", "CALL_FUNCTION_EX", "CALL_KW"))
 _ATTRIBUTE_LOADS = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
