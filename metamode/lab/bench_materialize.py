@@ -6,19 +6,28 @@ after imports and a warm-up build of the tiny shape; one intra-op thread):
 * build: plain ``empty_weights()`` against ``empty_weights(replayable=True)``,
   both modes (best of ``--reps``);
 * eager construction against ``materialize(model)`` and
-  ``materialize(<last block>)`` after a replayable build.
+  ``materialize(<last block>)`` after a replayable build;
+* with ``--fsdp``: per rank of 2 gloo processes, eager construction against
+  ``materialize(model)`` after ``fully_shard`` of every block and the root.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 __all__ = ["main", "measure"]
+
+
+def _blocks(model: Any) -> list[Any]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if layers is not None else list(model.children())
 
 
 def _last_block(model: Any) -> Any:
@@ -93,6 +102,52 @@ def _run(model: str, phase: str, tiny: bool) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _fsdp_rank(rank: int, port: int, model: str, tiny: bool, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import metamode
+    from metamode.lab import workloads
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        workloads.build(model, tiny=True)  # warm-up
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        eager = workloads.build(model, tiny=tiny)
+        eager_s = time.perf_counter() - start
+        del eager
+        torch.manual_seed(0)
+        with metamode.empty_weights(replayable=True):
+            built = workloads.build(model, tiny=tiny)
+        for block in _blocks(built):
+            fully_shard(block)
+        fully_shard(built)
+        dist.barrier()
+        start = time.perf_counter()
+        metamode.materialize(built)
+        queue.put((rank, eager_s, time.perf_counter() - start))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp(model: str, tiny: bool) -> list[tuple[int, float, float]]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    mp.start_processes(
+        _fsdp_rank, args=(port, model, tiny, queue), nprocs=2, join=True, start_method="spawn"
+    )
+    return sorted(queue.get(timeout=60) for _ in range(2))
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m metamode bench-materialize")
     parser.add_argument(
@@ -100,7 +155,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--reps", type=int, default=3, help="runs per row; the best is shown")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test)")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="per-rank times under FSDP2 (2 gloo processes)"
+    )
     args = parser.parse_args(argv)
+    if args.fsdp:
+        print(f"{args.model}{' (tiny)' if args.tiny else ''}: FSDP2, 2 gloo ranks")
+        for rank, eager_s, materialize_s in _fsdp(args.model, args.tiny):
+            print(
+                f"rank {rank}: eager construction {eager_s:.3f} s, materialize its shards "
+                f"{materialize_s:.3f} s ({materialize_s / max(eager_s, 1e-9):.2f}x)"
+            )
+        return 0
     rows = {}
     for phase in PHASES:
         runs = [_run(args.model, phase, args.tiny) for _ in range(max(1, args.reps))]
