@@ -15,6 +15,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from metamode._core.skip_rule import RANDOM_INIT_FUNCTIONS
+from metamode._torch import device_constructors
 
 __all__ = ["Trace", "registry_entry"]
 
@@ -172,6 +173,7 @@ def _is_random(func: Any) -> bool:
     ) or (name in _RANDOM_INIT_NAMES and vars(torch.nn.init).get(name) is func)
 
 
+_FACTORIES = frozenset(device_constructors())
 _SCALARS = frozenset([int, float, bool, str, type(None), torch.dtype, torch.Size])
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 
@@ -396,6 +398,10 @@ class Trace:
         if func is _TENSOR.to and args[1:2] == ("meta",):
             enc_args = (enc_args[0], _MetaDevice, *enc_args[2:])
         result = run(func, args, kwargs)
+        if func in _FACTORIES and kwargs.get("dtype") is None and isinstance(result, torch.Tensor):
+            # The dtype came from outside the call (the default dtype, or a
+            # default_dtype context below this mode): the replay must not guess it.
+            enc_kwargs = {**enc_kwargs, "dtype": result.dtype}
         outs: list[int] = []
         out_spec = self._encode_result(result, outs, ins)
         if not outs and not mutating:

@@ -26,6 +26,9 @@ def _llama_config(**extra):
 
 TRANSFORMERS = {
     "llama_rope": lambda: tf.LlamaForCausalLM(_llama_config()),
+    "llama_bfloat16_from_config": lambda: tf.AutoModelForCausalLM.from_config(
+        _llama_config(), dtype=torch.bfloat16
+    ),
     "llama_tied_from_config": lambda: tf.AutoModelForCausalLM.from_config(
         _llama_config(tie_word_embeddings=True)
     ),
