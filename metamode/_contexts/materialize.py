@@ -96,6 +96,8 @@ def _why_not(
             )
         return None, None
     trace, vid = entry
+    if trace.abandoned:
+        return entry, trace.abandoned
     if trace.recording:
         return entry, (
             f"its empty_weights context (thread {trace.owner}) is still open; "

@@ -336,6 +336,13 @@ class EmptyWeights(ThreadScopedMode):
         if self._trace is not None:
             self._trace.close()
 
+    def _after_refused_exit(self) -> None:
+        if self._trace is not None:
+            self._trace.abandon(
+                "its empty_weights context was exited from another thread, so the "
+                "recording of the build is incomplete"
+            )
+
     # Called by the registration hooks, always in the owner thread.
     def place_parameter(
         self, param: torch.nn.Parameter, module: Any = None, name: str | None = None

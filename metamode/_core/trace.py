@@ -285,6 +285,7 @@ class Trace:
         self.taint: dict[int, str] = {}  # value id -> why it cannot be reproduced
         self.root: dict[int, int] = {}  # value id -> id of the storage it lives in
         self.recording = True
+        self.abandoned: str | None = None  # why the recording is incomplete
         self.serial = next(_SERIALS)
         self.owner = threading.get_ident()
         self._next = 0
@@ -511,6 +512,11 @@ class Trace:
         if placed is not None:
             self._ids[placed] = vid
             _register(placed, self, vid)
+
+    def abandon(self, why: str) -> None:
+        """Stop recording for good; nothing recorded here can be materialized."""
+        self.abandoned = why
+        self.recording = False
 
     def close(self) -> None:
         """The context exited: drop every reference to the build's tensors."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -287,3 +288,26 @@ def test_a_default_dtype_set_outside_the_context_is_replayed(include_buffers):
     ):
         assert got.dtype == want.dtype == torch.float16, name
         assert torch.equal(got, want), name
+
+
+def test_a_replayable_context_closed_from_another_thread_is_refused_saying_so():
+    context = metamode.empty_weights(replayable=True)
+    context.__enter__()
+    model = nn.Linear(4, 4)
+    refused: list[BaseException] = []
+
+    def close_elsewhere() -> None:
+        try:
+            context.__exit__(None, None, None)
+        except metamode.ContextMisuseError as error:
+            refused.append(error)
+
+    elsewhere = threading.Thread(target=close_elsewhere)
+    elsewhere.start()
+    elsewhere.join()
+    assert len(refused) == 1
+    context.__exit__(None, None, None)  # the owner finishes the exit quietly
+    assert not metamode.is_materializable(model)
+    with pytest.raises(metamode.NotMaterializableError, match="exited from another thread"):
+        metamode.materialize(model)
+    assert model.weight.is_meta
