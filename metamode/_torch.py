@@ -23,14 +23,24 @@ private name                                     public alternative
 ``torch.utils._device.CURRENT_DEVICE``           ``torch.get_default_device()`` (reads only)
 ``torch._GLOBAL_DEVICE_CONTEXT``                 ``torch.set_default_device`` /
                                                  ``torch.get_default_device()``
-``torch.nn.modules.module._global_*_hooks``      ``register_module_*_registration_hook``
-                                                 (adds only: no public read)
+``torch.nn.modules.module._global_*_``         ``register_module_*_registration_hook``
+``registration_hooks``                           (adds only: no public read)
 ``torch.Tensor._make_subclass``                  ``torch.Tensor.as_subclass`` (shares the
                                                  autograd graph; metamode needs a leaf)
 ``torch.distributed.tensor._utils.``             ``distribute_tensor`` (a collective: every
 ``compute_local_shape_and_global_offset``        rank would need the full tensor at once)
 ``torch.nn.parameter.UninitializedTensorMixin``  ``torch.nn.parameter.is_lazy`` (tensors only)
 ===============================================  ==========================================
+
+Used in place, where the object is at hand (hot paths, or one call site), and
+listed here so a torch upgrade checks them too: ``Module._parameters`` /
+``_buffers`` / ``_non_persistent_buffers_set`` (the registration hooks, the
+materialize install; public alternative: ``register_parameter``, which would
+run the hooks again), ``Module._load_from_state_dict`` (the hook's
+``load_state_dict(assign=True)`` warning), ``RNNBase._flat_weight_refs`` /
+``_init_flat_weights`` and FSDP2's ``_get_fsdp_state()`` (materialize),
+``untyped_storage()._cdata`` (the recorder's storage identity; public:
+``data_ptr()``, which is 0 on meta).
 """
 
 from __future__ import annotations

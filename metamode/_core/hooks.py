@@ -6,11 +6,12 @@ PEFT do, and what breaks under threads), metamode registers one global
 parameter hook and one global buffer hook via
 ``torch.nn.modules.module.register_module_*_registration_hook``.
 
-They are installed when :mod:`metamode` is imported -- never lazily inside a
-context, so entering and leaving contexts changes no global state -- and never
-removed: removing a hook while another thread iterates torch's hook dict can
-raise. When no metamode context is active in the calling thread the hooks
-return after one C call (``len`` of the thread's mode stack).
+They are installed when :mod:`metamode._core.modes` is first imported (the
+first use of any public name does it) -- never lazily inside a context, so
+entering and leaving contexts changes no global state -- and never removed:
+removing a hook while another thread iterates torch's hook dict can raise.
+When no metamode context is active in the calling thread the hooks return
+after one C call (``len`` of the thread's mode stack).
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class ThreadScopedMode(TorchFunctionMode):
         # frame in every torch call and shift the frames the handlers inspect.
         super().__init_subclass__(**kwargs)
         handler = cls.__dict__.get("__torch_function__")
-        if handler is not None and "_inert" not in handler.__code__.co_names:
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if handler is not None and (code is None or "_inert" not in code.co_names):
             raise TypeError(
                 f"{cls.__qualname__}.__torch_function__ must pass calls through while the "
                 f"context is inert: start it with `if self._inert: return func(*args, **kwargs)`."
@@ -376,7 +377,7 @@ class SkipEmptyWeights(ThreadScopedMode):
     Create it with :func:`metamode.skip_empty_weights`. The registration hooks
     see this mode above the contexts it suspends and leave registrations
     alone. Mode handlers cannot see modes above themselves, so the suspended
-    contexts also get a counter, which stops their factory redirection and
+    contexts also record it (a set of suspenders), which stops their factory redirection and
     init skipping. A context entered *inside* the skip is not suspended:
     the innermost context wins.
     """

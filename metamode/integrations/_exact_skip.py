@@ -114,7 +114,7 @@ class SkipLibraryInit(ThreadScopedMode):
         return (self.names,)
 
     def __repr__(self) -> str:
-        return f"metamode.integrations.SkipLibraryInit({sorted(self.names)})"
+        return f"metamode.integrations._exact_skip.SkipLibraryInit({sorted(self.names)})"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:

@@ -193,6 +193,13 @@ def _enable_4() -> tuple[str, ...]:
             f"nor {', '.join(missing)} in {_MODELING_UTILS}; metamode's shim cannot route "
             f"its model-building contexts safely, so nothing was changed."
         )
+    if vars(module)["_init_weights"] is False:
+        raise RuntimeError(
+            f"transformers' own no_init_weights() is open in some thread "
+            f"({_MODELING_UTILS}._init_weights is False): its exit would put a plain bool back "
+            f"over metamode's per-thread flag. Enable metamode at start-up, before any model "
+            f"is loaded, or when no load is in progress; nothing was changed."
+        )
     bound = _TRANSFORMERS_4.enable()
     try:
         bound += _TRANSFORMERS_4_EMPTY.enable()
@@ -202,7 +209,7 @@ def _enable_4() -> tuple[str, ...]:
     namespace = vars(module)
     current = namespace["_init_weights"]
     if not isinstance(current, InitWeightsFlag):
-        flag = InitWeightsFlag(bool(current))
+        flag = InitWeightsFlag(bool(current))  # True: refused above while a stock block is open
         SHARED[_FLAG] = flag
         namespace["_init_weights"] = flag
     return (*bound, f"{_MODELING_UTILS}._init_weights")

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 import metamode
-from metamode.integrations import _registry as _enable_all
+from metamode.integrations import _registry
 from metamode.lab.scenarios import run_rounds
 from metamode.lab.threads import WAIT_S, run_threads, wait
 from tests.conftest import REPO, run_python
@@ -338,7 +338,7 @@ def all_shims() -> Iterator[dict[str, tuple[str, ...]]]:
     try:
         yield metamode.enable()
     finally:
-        _enable_all.disable()
+        _registry.disable()
 
 
 # -- diffusers ---------------------------------------------------------------------
@@ -489,7 +489,7 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
         )
         assert accelerate.init_empty_weights is _accelerate.init_empty_weights
     finally:
-        _enable_all.disable()
+        _registry.disable()
     assert modeling_utils.no_init_weights is original
 
 
@@ -503,13 +503,13 @@ def test_enable_is_all_or_nothing(monkeypatch):
     with pytest.raises(metamode.IncompatibleLibraryError, match="TORCH_INIT_FUNCTIONS"):
         metamode.enable()
     assert peft_integrations.init_empty_weights is original
-    assert _enable_all.disable() == {}
+    assert _registry.disable() == {}
 
 
 def test_enable_reports_every_installed_library(all_shims):
     assert set(all_shims) == {"peft", "accelerate", "diffusers", "transformers"}
     assert metamode.enable() == all_shims
-    assert set(_enable_all.disable()) == set(all_shims)
+    assert set(_registry.disable()) == set(all_shims)
 
 
 # -- transformers ----------------------------------------------------------------------

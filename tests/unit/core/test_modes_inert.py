@@ -216,3 +216,14 @@ def test_a_mode_class_whose_handler_ignores_inertness_is_refused_at_definition()
         class Forgetful(ThreadScopedMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 return func(*args, **(kwargs or {}))
+
+
+def test_a_static_handler_without_the_inert_check_is_refused_with_the_same_message():
+    from metamode._core.modes import ThreadScopedMode
+
+    with pytest.raises(TypeError, match=r"Static.__torch_function__ must pass calls through"):
+
+        class Static(ThreadScopedMode):
+            @staticmethod
+            def __torch_function__(func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))

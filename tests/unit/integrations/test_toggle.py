@@ -139,13 +139,13 @@ def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monke
     """Issue 10 §1: a version with nothing to route is not an error; enable() says why."""
     import transformers.initialization as initialization
 
-    from metamode.integrations import _registry as _enable_all
+    from metamode.integrations import _registry
 
     monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
     monkeypatch.delattr(initialization, "no_tie_weights")
-    real_installed = _enable_all._installed
+    real_installed = _registry._installed
     monkeypatch.setattr(
-        _enable_all, "_installed", lambda lib: lib != "accelerate" and real_installed(lib)
+        _registry, "_installed", lambda lib: lib != "accelerate" and real_installed(lib)
     )
     result = metamode.enable()
     try:

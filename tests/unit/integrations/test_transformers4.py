@@ -187,3 +187,17 @@ def test_init_weights_flag_is_per_thread():
         release.set()
         thread.join(30)
     assert seen == [False, True]
+
+
+def test_enable_refuses_while_a_stock_no_init_weights_block_is_open():
+    # Its exit would restore the plain True it saw over the shim's per-thread flag, and
+    # the shim would then silently stop skipping init_weights (review finding).
+    import transformers.modeling_utils as modeling_utils
+
+    with modeling_utils.no_init_weights():  # stock: the shim is off
+        with pytest.raises(RuntimeError, match="no_init_weights"):
+            metamode.enable()
+        assert not metamode.is_enabled("transformers") and not metamode.is_enabled("peft")
+    assert modeling_utils._init_weights is True
+    assert metamode.enable()["transformers"]
+    metamode.disable()
