@@ -221,6 +221,7 @@ print(json.dumps(stock_forced_overlap({directory!r})))
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_stock_no_tie_weights_leaks_its_no_op_when_two_threads_overlap(tmp_path):
     """Stock is broken: one forced overlap leaves every later tied load untied, on meta."""
     result = run_python(_STOCK_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path)))
@@ -405,6 +406,7 @@ print(json.dumps(stress_loads({directory!r}, {rounds!r})))
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_concurrent_loads_stress_leak_nothing(tmp_path):
     """In a subprocess: concurrent loads still race on transformers' other global
     patches (``torch.nn.init`` around ``initialize_weights``; README, Limitations)."""
