@@ -47,15 +47,18 @@ def _on_parameter_registered(module, name, param):
     if context is None:
         return None
     if type(param) is Parameter:
-        # Moving is metamode's own bookkeeping: its handful of torch calls need
-        # not each take a ~1.5 us trip through the mode stack (measured: 1.59x
-        # -> 1.41x torch.device('meta') on a Llama-7B skeleton). Subclasses keep
-        # their dispatch: their constructors may rely on it.
+        # Metamode's own bookkeeping skips the mode stack (docs/design.md, "Hot
+        # paths"); subclasses keep their dispatch: their constructors may rely on it.
         with DisableTorchFunction():
             moved = context.place_parameter(param, module, name)
     else:
         moved = context.place_parameter(param, module, name)
-    if moved is not None and (stacklevel := _load_state_dict_caller(module, name, moved)):
+    if (
+        moved is not None
+        and existing is not None
+        and existing.device == moved.device
+        and (stacklevel := _load_state_dict_caller())
+    ):
         warnings.warn(
             f"load_state_dict(assign=True) inside {context!r} assigned "
             f"{type(module).__qualname__}.{name}, and the block put it back on "
@@ -68,17 +71,14 @@ def _on_parameter_registered(module, name, param):
     return moved
 
 
-def _load_state_dict_caller(module, name: str, moved: Parameter) -> int:
-    """The stack level of the code that called ``load_state_dict(assign=True)``, or 0.
+def _load_state_dict_caller() -> int:
+    """The stack level of the code that called ``load_state_dict``, or 0 if the
+    registration did not come from ``Module._load_from_state_dict``.
 
-    Nonzero only when a parameter the context already placed is being replaced
-    by one it had to move (torch runs the hooks before storing it) from inside
-    ``Module._load_from_state_dict``.
+    Asked only when a parameter the context already placed is being replaced by
+    one it had to move (torch runs the hooks before storing it).
     """
-    old = module._parameters.get(name)
-    if old is None or old.device != moved.device:
-        return 0
-    frame: FrameType | None = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)  # the hook: level 1 for its warnings.warn
     level = 1
     while frame is not None and level < 8:  # the hook <- register_parameter <- __setattr__
         if frame.f_code is _LOAD_FROM_STATE_DICT:

@@ -432,12 +432,11 @@ def active_empty_weights() -> EmptyWeights | None:
 
 
 def kept_registration(
-    module: torch.nn.Module, name: str, value: torch.Tensor, existing: torch.Tensor | None
+    module: torch.nn.Module, name: str, value: torch.Tensor, existing: torch.Tensor
 ) -> torch.Tensor | None:
-    """``existing`` if this thread's innermost :class:`KeepRegistered` keeps it
-    in place of ``value``, else None. Called by the registration hooks."""
-    if existing is None or existing is value:
-        return None
+    """``existing`` (a different tensor ``module`` holds under ``name``) if this
+    thread's innermost :class:`KeepRegistered` keeps it in place of ``value``,
+    else None. Called by the registration hooks on re-assignments only."""
     guard = _stack.innermost(KeepRegistered, skip_inert=True)
     if isinstance(guard, KeepRegistered) and guard.keeps(module, name, value):
         return existing
