@@ -30,6 +30,8 @@ private name                                     public alternative
 ``torch.distributed.tensor._utils.``             ``distribute_tensor`` (a collective: every
 ``compute_local_shape_and_global_offset``        rank would need the full tensor at once)
 ``torch.nn.parameter.UninitializedTensorMixin``  ``torch.nn.parameter.is_lazy`` (tensors only)
+``Tensor._use_count``                            none: what ``swap_tensors`` checks (materialize
+                                                 checks it first, to refuse before installing)
 ===============================================  ==========================================
 
 Used in place, where the object is at hand (hot paths, or one call site), and
@@ -40,7 +42,8 @@ run the hooks again), ``Module._load_from_state_dict`` (the hook's
 ``load_state_dict(assign=True)`` warning), ``RNNBase._flat_weight_refs`` /
 ``_init_flat_weights`` and FSDP2's ``_get_fsdp_state()`` (materialize),
 ``untyped_storage()._cdata`` (the recorder's storage identity; public:
-``data_ptr()``, which is 0 on meta).
+``data_ptr()``, which is 0 on meta), ``torch.multiprocessing.reductions.StorageWeakRef``
+(keeps a recorded storage's address from reuse).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ __all__ = [
     "push_mode",
     "registration_hooks",
     "set_global_device_context",
+    "use_count",
 ]
 
 push_mode = _push_mode
@@ -111,6 +115,11 @@ def all_registration_hooks() -> dict[str, dict[Any, Any]]:
         f"torch.nn.modules.module._global_{kind}_registration_hooks": registration_hooks(kind)
         for kind in _HOOK_KINDS
     }
+
+
+def use_count(tensor: torch.Tensor) -> int:
+    """How many C++ references hold ``tensor``'s implementation (swap_tensors needs 1-2)."""
+    return tensor._use_count()
 
 
 def current_device() -> Any:

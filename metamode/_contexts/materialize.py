@@ -4,44 +4,64 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from metamode import _torch
-from metamode._core.trace import (
-    Op,
-    Trace,
-    _Gen,
-    _MetaDevice,
-    _Ref,
-    forget,
-    home_entry,
-    registry_entry,
-)
+from metamode._core import recording
+from metamode._core.recording import Entry, Key, Program, TensorRef
 
-__all__ = ["NotMaterializableError", "is_materializable", "materialize"]
+__all__ = [
+    "NotMaterializableError",
+    "is_materializable",
+    "materialize",
+    "register_divergence_check",
+    "unreproducible",
+]
 
 _CPU = torch.device("cpu")
 
 
 class NotMaterializableError(RuntimeError):
-    """Some tensors of a module cannot be reproduced; nothing was allocated."""
+    """Some tensors of a module cannot be given their eager values; nothing was changed."""
 
 
+# Library knowledge, registered by metamode.integrations: each check yields
+# (tensor, reason) for tensors a library's build is known to make differently on meta.
+_DIVERGENCE_CHECKS: list[Callable[[nn.Module], Iterator[tuple[torch.Tensor, str]]]] = []
+
+
+def register_divergence_check(
+    check: Callable[[nn.Module], Iterator[tuple[torch.Tensor, str]]],
+) -> None:
+    """Add ``check`` to what :func:`materialize` asks before replaying (once per check)."""
+    if check not in _DIVERGENCE_CHECKS:
+        _DIVERGENCE_CHECKS.append(check)
+
+
+@dataclass(slots=True)
 class _Slot:
-    __slots__ = ("homes", "kind", "names", "tensor")
+    """One tensor of the module, wherever it sits (tied tensors are one slot)."""
 
-    def __init__(self, tensor: torch.Tensor, kind: str) -> None:
-        self.tensor = tensor
-        self.kind = kind
-        self.names: list[str] = []
-        self.homes: list[tuple[nn.Module, str]] = []
+    tensor: torch.Tensor
+    kind: str
+    names: list[str] = field(default_factory=list)
+    homes: list[tuple[nn.Module, str]] = field(default_factory=list)
+    entry: Entry | None = None
+    reason: str | None = None  # why it is refused
+    wanted: bool = False
+
+    @property
+    def key(self) -> Key:
+        assert self.entry is not None and self.entry.ref is not None
+        return (self.entry.program.serial, self.entry.ref.storage)
 
 
-def _slots(module: nn.Module) -> dict[int, _Slot]:
+def _slots(module: nn.Module) -> list[_Slot]:
     slots: dict[int, _Slot] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
@@ -55,66 +75,166 @@ def _slots(module: nn.Module) -> dict[int, _Slot]:
                 if qualname not in slot.names:
                     slot.names.append(qualname)
                 slot.homes.append((sub, name))
-    return slots
+    return list(slots.values())
 
 
-def _traces(slots: dict[int, _Slot]) -> list[Trace]:
-    found: dict[Trace, None] = {}
-    for slot in slots.values():
-        entry = registry_entry(slot.tensor)
-        for home, name in slot.homes if entry is None and _is_dtensor(slot.tensor) else ():
-            entry = entry or home_entry(home, name)
-        if entry is not None:
-            found[entry[0]] = None
-    return list(found)
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "device_mesh")
 
 
-def _why_not(
-    tensor: torch.Tensor, traces: Sequence[Trace] = (), homes: Sequence = ()
-) -> tuple[tuple[Trace, int] | None, str | None]:
-    entry = registry_entry(tensor)
-    if entry is None and _is_dtensor(tensor):
-        # fully_shard made it: it stands for what was registered in its place
-        for home, name in homes:
-            entry = home_entry(home, name)
-            if entry is not None:
-                break
-    if entry is None and tensor.is_meta:
-        # made without registration (deepcopy of a module, a parameter put in
-        # _parameters directly): found by its storage in a sibling's recording
-        for trace in traces:
-            vid = trace.lookup(tensor)
-            if vid is not None:
-                entry = (trace, vid)
-                break
-    if entry is None:
-        if tensor.is_meta:
-            return None, (
-                "not registered inside a metamode.empty_weights(replayable=True) context (built "
-                "under torch.device('meta') or a non-replayable context, moved with "
-                ".to('meta'), or assigned after the context?)"
-            )
-        return None, None
-    trace, vid = entry
-    if trace.abandoned:
-        return entry, trace.abandoned
-    if trace.recording:
-        return entry, (
-            f"its empty_weights context (thread {trace.owner}) is still open; "
-            f"materialize after the `with` block"
+def _find_entries(slots: list[_Slot]) -> None:
+    programs: dict[int, Program] = {}
+    for slot in slots:
+        slot.entry = recording.entry(slot.tensor)
+        if slot.entry is None and _is_dtensor(slot.tensor):
+            # fully_shard put it there: it stands for what was registered in its place
+            for home, name in slot.homes:
+                slot.entry = slot.entry or recording.home(home, name)
+        if slot.entry is not None:
+            programs[slot.entry.program.serial] = slot.entry.program
+    for slot in slots:
+        if slot.entry is None and slot.tensor.is_meta:
+            # made without registration (copy.deepcopy of a built module): known by its
+            # storage to a program that recorded this module's other tensors
+            address = slot.tensor.untyped_storage()._cdata
+            for program in programs.values():
+                known = program.live.get(address)
+                if known is not None and not known[1].expired():
+                    tensor = slot.tensor
+                    ref = TensorRef(
+                        known[0], tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                        tensor.storage_offset(),
+                    )
+                    slot.entry = Entry(program, ref, _version(tensor))
+                    break
+
+
+def _changed(slot: _Slot) -> str | None:
+    """Why ``slot``'s tensor is not as its build left it, or None."""
+    entry, tensor = slot.entry, slot.tensor
+    assert entry is not None and entry.ref is not None
+    ref = entry.ref
+    if tensor.dtype != ref.dtype or tuple(tensor.shape) != ref.size:
+        return (
+            f"it was changed after its empty_weights block (now {_describe(tensor)}, built "
+            f"as {str(ref.dtype).removeprefix('torch.')}{list(ref.size)}); materialize "
+            f"first, then cast or reshape"
         )
-    reason = trace.taint.get(vid) or trace.taint.get(trace.root.get(vid, vid))
-    return entry, reason
+    if _is_dtensor(tensor):
+        return None
+    known = entry.program.live.get(tensor.untyped_storage()._cdata)
+    if (
+        known is None
+        or known[0] != ref.storage
+        or tensor.stride() != ref.stride
+        or tensor.storage_offset() != ref.offset
+    ):
+        return "its storage or layout was changed after its empty_weights block"
+    if _version(tensor) != entry.version:
+        return (
+            "it was written after its empty_weights block (its version counter moved), "
+            "so its value is not the build's; write it inside the block, or after "
+            "materialize"
+        )
+    return None
+
+
+def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
+    """Every slot of ``module`` with why it is refused, and the plan for the wanted ones."""
+    slots = _slots(module)
+    _find_entries(slots)
+    for slot in slots:
+        entry, tensor = slot.entry, slot.tensor
+        if entry is None:
+            if tensor.is_meta:
+                slot.reason = (
+                    "it was not registered inside a metamode.empty_weights(replayable=True) "
+                    "context (built under torch.device('meta') or a non-replayable context, "
+                    "moved with .to('meta'), or assigned after the context?)"
+                )
+            continue
+        if entry.ref is None:
+            slot.reason = (
+                f"its empty_weights context (thread {entry.program.owner!r}) is still open; "
+                f"materialize after the `with` block"
+            )
+            continue
+        real = not tensor.is_meta and not _is_dtensor(tensor)
+        storage = entry.program.storages[entry.ref.storage]
+        if real and not storage.off and entry.program.diverged is None:
+            continue  # the build computed exactly eager's value: keep it
+        slot.reason = _changed(slot)
+        if slot.reason is None and not _is_dtensor(tensor):
+            slot.reason = _swap_refusal(slot)
+        slot.wanted = slot.reason is None
+    for check in _DIVERGENCE_CHECKS:
+        for tensor, reason in check(module):
+            for slot in slots:
+                if slot.tensor is tensor and slot.entry is not None and slot.reason is None:
+                    slot.reason, slot.wanted = reason, False
+    wanted = [s for s in slots if s.wanted]
+    if not wanted:
+        return slots, None
+    plan = recording.plan(
+        dict.fromkeys((s.entry.program, s.entry.ref.storage) for s in wanted)  # type: ignore[union-attr]
+    )
+    for slot in wanted:
+        reason = plan.refused.get(slot.key)
+        if reason is not None:
+            slot.reason, slot.wanted = reason, False
+    if plan.refused:  # replay only what is reproducible
+        remaining = [s for s in wanted if s.wanted]
+        plan = recording.plan(
+            dict.fromkeys((s.entry.program, s.entry.ref.storage) for s in remaining)  # type: ignore[union-attr]
+        ) if remaining else None
+    return slots, plan
+
+
+def _swap_refusal(slot: _Slot) -> str | None:
+    """Why the parameter cannot be replaced in place (``torch.utils.swap_tensors``)."""
+    tensor = slot.tensor
+    if slot.kind != "parameter" or weakref.getweakrefs(tensor):
+        return None  # buffers are replaced in their modules; weakly held ones too
+    uses = _torch.use_count(tensor)
+    if uses > 2 or (uses == 2 and not (tensor.is_leaf and tensor.requires_grad)):
+        return (
+            "an autograd graph holds it (a tensor was computed from it with grad enabled, "
+            "as nn.utils.weight_norm does), so it cannot be replaced in place; compute "
+            "such tensors under torch.no_grad() or after materialize"
+        )
+    return None
+
+
+def _refusal_message(module: nn.Module, refused: list[_Slot]) -> str:
+    lines = "\n".join(
+        f"  {', '.join(repr(n) for n in slot.names)} ({slot.kind}): {slot.reason}"
+        for slot in refused
+    )
+    return (
+        f"metamode.materialize({type(module).__name__}) in thread "
+        f"{threading.current_thread().name!r}: {len(refused)} tensor(s) cannot be given "
+        f"their eager values; nothing was changed:\n{lines}\nFix: build them inside "
+        f"metamode.empty_weights(replayable=True) from torch calls only, load them from a "
+        f"checkpoint (load_state_dict(..., assign=True)), or pass on_unreproducible='empty' "
+        f"to leave the meta ones uninitialised."
+    )
+
+
+def unreproducible(module: nn.Module) -> dict[str, str]:
+    """``{name: why}`` for every tensor of ``module`` :func:`materialize` would refuse."""
+    slots, _ = _survey(module)
+    return {slot.names[0]: slot.reason for slot in slots if slot.reason is not None}
 
 
 def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
-    """Whether :func:`materialize` can give ``obj`` (each meta tensor of a module) eager values."""
+    """Whether :func:`materialize` can give ``obj`` (every meta tensor, for a module) its
+    eager values: the same checks, nothing allocated."""
     if isinstance(obj, torch.Tensor):
-        entry, reason = _why_not(obj)
-        return entry is not None and reason is None
-    slots = _slots(obj)
-    traces = _traces(slots)
-    return all(_why_not(slot.tensor, traces, slot.homes)[1] is None for slot in slots.values())
+        holder = nn.Module()
+        holder._parameters["tensor"] = obj  # type: ignore[assignment]
+        return is_materializable(holder)
+    slots, _ = _survey(obj)
+    return all(slot.reason is None for slot in slots)
 
 
 def materialize(
@@ -123,79 +243,141 @@ def materialize(
     *,
     on_unreproducible: Literal["error", "empty"] = "error",
 ) -> nn.Module:
-    """Allocate ``module``'s empty-built tensors on ``device`` with their eager values, in place.
+    """Give ``module``'s empty-built tensors the values eager construction gives them.
 
     Every parameter and buffer registered inside ``metamode.empty_weights(replayable=True)``
-    (either ``include_buffers`` mode) gets what ``torch.manual_seed(s); build()`` puts there,
-    when the context was entered right after ``torch.manual_seed(s)`` -- a submodule's too.
-    Real tensors registered in the context are replaced by their replayed values; real
-    tensors that were not (loaded weights) are left alone. Parameters stay the same Python
-    objects (``torch.utils.swap_tensors``: ties, classes, attributes, ``requires_grad``
-    kept); buffers are replaced in their modules' ``_buffers``. A parameter that FSDP2's
-    ``fully_shard`` replaced by a DTensor gets its rank's local shard.
+    gets what ``torch.manual_seed(s); build()`` puts there when the context was entered in
+    the generator state ``torch.manual_seed(s)`` leaves -- a submodule's too, replaying
+    only the calls its tensors need. Meta tensors are allocated on ``device``; real tensors
+    the build computed exactly are kept, those whose random numbers it drew from a shifted
+    stream are replaced. Parameters stay the same Python objects
+    (``torch.utils.swap_tensors``: ties, classes, attributes, ``requires_grad`` kept);
+    buffers are replaced in their modules. A parameter that FSDP2's ``fully_shard``
+    replaced by a DTensor gets its rank's local shard.
 
-    Values are computed on CPU from the recorded generator state with a private generator,
-    then moved to ``device`` one tensor at a time, so they are bitwise the CPU eager values
-    anywhere; the process's default generator is neither drawn from nor changed. May run
-    while other threads build or materialize other modules; do not materialize one module
-    from two threads.
+    Values are computed on CPU with private generators, then moved to ``device``, so they
+    are the CPU eager values anywhere; the process's default generator is neither drawn
+    from nor changed. May run while other threads build or materialize other modules; do
+    not materialize one module from two threads.
+
+    Every check happens first: if any tensor cannot be reproduced, nothing is allocated,
+    installed or drawn, and the error names each tensor and why. The rule and what is
+    refused: the materialize guide in the documentation.
 
     Args:
-        device: where the tensors go; ``"cpu"`` by default (where eager construction puts them).
-        on_unreproducible: ``"empty"`` leaves tensors that cannot be reproduced uninitialised
-            on ``device`` instead of raising.
+        device: where the tensors go; ``"cpu"`` by default (where eager construction puts
+            them). Not ``"meta"``.
+        on_unreproducible: ``"empty"`` gives meta tensors that cannot be reproduced
+            uninitialised memory on ``device`` instead of raising (real ones are left as
+            they are).
 
     Returns ``module`` itself.
 
     Raises:
-        NotMaterializableError: before allocating anything, naming every tensor that cannot
-            be reproduced -- made outside the context, from NumPy data, by plain
-            ``torch.device("meta")`` or a non-replayable context, or drawn after a random
-            call that takes no ``generator=`` (unless ``on_unreproducible="empty"``).
+        NotMaterializableError: some tensors cannot be reproduced (nothing was changed).
+        ValueError: ``device`` is ``"meta"`` or ``on_unreproducible`` is not a choice.
     """
     if on_unreproducible not in ("error", "empty"):
         raise ValueError(f"on_unreproducible must be 'error' or 'empty', not {on_unreproducible!r}")
     device = _CPU if device is None else torch.device(device)
-    slots = _slots(module)
-    per_trace: dict[Trace, dict[int, list[_Slot]]] = {}
-    refused: list[tuple[_Slot, str]] = []
-    traces = _traces(slots)
-    for slot in slots.values():
-        entry, reason = _why_not(slot.tensor, traces, slot.homes)
-        if reason is not None:
-            refused.append((slot, reason))
-        elif entry is not None:
-            trace, vid = entry
-            per_trace.setdefault(trace, {}).setdefault(vid, []).append(slot)
+    if device.type == "meta":
+        raise ValueError(
+            "materialize(device='meta') would compute every value and throw it away; "
+            "pass a real device (the default is cpu)"
+        )
+    slots, plan = _survey(module)
+    refused = [slot for slot in slots if slot.reason is not None]
     if refused and on_unreproducible == "error":
-        lines = "\n".join(
-            f"  {', '.join(repr(n) for n in slot.names)} ({slot.kind}): {reason}"
-            for slot, reason in refused
-        )
-        raise NotMaterializableError(
-            f"metamode.materialize({type(module).__name__}) in thread "
-            f"{threading.current_thread().name!r}: {len(refused)} tensor(s) cannot be "
-            f"reproduced, nothing was allocated:\n{lines}\nFix: build them inside "
-            f"metamode.empty_weights(replayable=True) from torch calls only, load them "
-            f"from a checkpoint (load_state_dict(assign=True)), or pass "
-            f"on_unreproducible='empty' to leave them uninitialised."
-        )
-    with torch.no_grad(), _torch.DisableTorchFunction():
-        for slot, _ in refused:
-            _install(slot, torch.empty_like(slot.tensor, device=device))
-        together = set(traces)
-        for trace in together:
-            trace.replayed_exit = None
-        for trace in sorted(per_trace, key=lambda t: t.serial):
-            _replay(trace, per_trace[trace], device, together)
-        sharded = {id(slot.tensor) for slot in slots.values() if _is_dtensor(slot.tensor)}
-        if sharded:
-            _reset_fsdp(module, sharded)
+        raise NotMaterializableError(_refusal_message(module, refused))
+    install = _Installer(module, device)
+    try:
+        with torch.no_grad(), torch.inference_mode(False):
+            for slot in refused:
+                if slot.tensor.is_meta:
+                    install.empty(slot)
+            if plan is not None:
+                by_key: dict[Key, list[_Slot]] = {}
+                for slot in slots:
+                    if slot.wanted:
+                        by_key.setdefault(slot.key, []).append(slot)
+                recording.execute(
+                    plan, lambda key, storage: install.storage(by_key.get(key, ()), storage)
+                )
+            install.finish()
+    except BaseException:
+        install.undo()
+        raise
     return module
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "device_mesh")
+class _Installer:
+    """Puts values into the module, keeping what it takes to undo every step."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self._undo: list[Callable[[], None]] = []
+        self._sharded: set[int] = set()
+
+    def storage(self, slots: Any, storage: torch.UntypedStorage) -> None:
+        if not slots:
+            return
+        if self.device != _CPU:
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            storage = whole.to(self.device).untyped_storage()
+        for slot in slots:
+            ref = slot.entry.ref
+            value = torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+                storage, ref.offset, ref.size, ref.stride
+            )
+            self._put(slot, value)
+
+    def empty(self, slot: _Slot) -> None:
+        self._put(slot, torch.empty_like(slot.tensor, device=self.device))
+
+    def _put(self, slot: _Slot, value: torch.Tensor) -> None:
+        tensor = slot.tensor
+        recording.forget(tensor)
+        if _is_dtensor(tensor):
+            value = _local_shard(tensor, value)
+            self._sharded.add(id(tensor))
+        if slot.kind == "buffer":
+            if value.is_floating_point() or value.is_complex():
+                value.requires_grad_(tensor.requires_grad)
+            for home, name in slot.homes:
+                old = home._buffers[name]
+                home._buffers[name] = value
+                self._undo.append(lambda h=home, n=name, o=old: h._buffers.__setitem__(n, o))
+            return
+        if _is_dtensor(tensor):
+            new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        else:
+            new = _torch.make_subclass(type(tensor), value.detach(), tensor.requires_grad)
+        new.__dict__ = dict(tensor.__dict__)
+        rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
+        for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
+            rnn._flat_weight_refs = []
+        if not weakref.getweakrefs(tensor):
+            torch.utils.swap_tensors(tensor, new)  # same object: ties and optimizers keep it
+            self._undo.append(lambda t=tensor, n=new: torch.utils.swap_tensors(t, n))
+        else:
+            # something holds a weak reference to it, which swap_tensors refuses: put the
+            # new parameter in every place the old one was
+            for home, name in slot.homes:
+                old = home._parameters[name]
+                home._parameters[name] = new  # type: ignore[assignment]
+                self._undo.append(lambda h=home, n=name, o=old: h._parameters.__setitem__(n, o))
+        for rnn in rnns:
+            rnn._init_flat_weights()
+
+    def finish(self) -> None:
+        if self._sharded:
+            _reset_fsdp(self.module, self._sharded)
+
+    def undo(self) -> None:
+        for step in reversed(self._undo):
+            step()
+        self._undo = []
 
 
 def _local_shard(tensor: Any, value: torch.Tensor) -> torch.Tensor:
@@ -225,197 +407,12 @@ def _reset_fsdp(module: nn.Module, swapped: set[int]) -> None:
                 fsdp_param.reset_sharded_param()
 
 
-def _install(slot: _Slot, value: torch.Tensor) -> None:
-    tensor = slot.tensor
-    forget(tensor)
-    if _is_dtensor(tensor):
-        value = _local_shard(tensor, value)
-    if slot.kind == "buffer":
-        for home, name in slot.homes:
-            home._buffers[name] = value
-        return
-    if _is_dtensor(tensor):
-        new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
-    else:
-        new = _torch.make_subclass(type(tensor), value.detach(), tensor.requires_grad)
-    new.__dict__ = dict(tensor.__dict__)
-    rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
-    for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
-        rnn._flat_weight_refs = []
-    if not weakref.getweakrefs(tensor):
-        torch.utils.swap_tensors(tensor, new)  # same object: ties and optimizers keep it
-        for rnn in rnns:
-            rnn._init_flat_weights()
-        return
-    # Something holds a weak reference to it (RNN's _flat_weight_refs), which
-    # swap_tensors refuses: put the new parameter in every place the old one was.
-    for home, name in slot.homes:
-        home._parameters[name] = new  # type: ignore[assignment]
-        if isinstance(home, nn.RNNBase):
-            home._init_flat_weights()
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
-def _parent(trace: Trace, together: set[Trace]) -> Trace | None:
-    # A context entered right after another one closed in the same thread, with
-    # no draw from the default generator between, continues that context's
-    # random stream (PEFT enters one per adapted layer). Only trusted between
-    # contexts whose tensors are materialized together: a generator re-seeded
-    # to the same state between two unrelated builds looks exactly the same.
-    parent = trace.parent
-    return parent if parent is not None and parent in together else None
-
-
-def _entry_state(trace: Trace, together: set[Trace]) -> torch.Tensor:
-    """The generator state eager construction was in when ``trace``'s context was entered."""
-    parent = _parent(trace, together)
-    if parent is None:
-        return trace.entry_state
-    if parent.replayed_exit is None:
-        chain: list[Trace] = []
-        ancestor: Trace | None = parent
-        while ancestor is not None and ancestor.replayed_exit is None:
-            chain.append(ancestor)
-            ancestor = _parent(ancestor, together)
-        for ancestor in reversed(chain):  # oldest first, for their random draws only
-            _replay(ancestor, {}, _CPU, together)
-    assert parent.replayed_exit is not None
-    return parent.replayed_exit
-
-
-def _replay(
-    trace: Trace, targets: dict[int, list[_Slot]], device: torch.device, together: set[Trace]
-) -> None:
-    ops = trace.ops
-    root = trace.root
-    wanted = {root.get(v, v) for v in targets}
-    live: list[bool] = [False] * len(ops)
-    # random calls whose result nobody wants: run on a scratch tensor for their draws
-    draw_only: list[bool] = [False] * len(ops)
-    # random calls that overwrite a whole wanted tensor: it is allocated there,
-    # and what was written into it before only needs its draws replayed
-    birth: list[bool] = [False] * len(ops)
-    first_def: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for v in op.outs:
-            first_def.setdefault(v, i)
-    used_later: dict[int, set[int]] = {}
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i]
-        if op.random or any(root.get(v, v) in wanted for v in op.outs):
-            live[i] = True
-            r = root.get(op.mutated, op.mutated)
-            if op.scratch is not None and r not in wanted:
-                draw_only[i] = True
-                continue
-            if (
-                op.scratch is not None
-                and op.mutated == r
-                and all(v == r or first_def.get(v, -1) > i for v in used_later.get(r, ()))
-            ):
-                birth[i] = True
-                wanted.discard(r)
-            else:
-                wanted.update(root.get(v, v) for v in op.ins)
-            for v in (*op.ins, *op.outs):
-                used_later.setdefault(root.get(v, v), set()).add(v)
-    last: dict[int, int] = {}
-    done: set[int] = set()
-    for i, op in enumerate(ops):
-        if live[i] and not draw_only[i]:
-            for v in op.ins:
-                last[root.get(v, v)] = i
-            for v in op.outs:
-                last[root.get(v, v)] = i
-    finish: dict[int, list[int]] = {}
-    for r, i in last.items():
-        finish.setdefault(i, []).append(r)
-    by_root: dict[int, list[int]] = {}
-    for vid in targets:
-        by_root.setdefault(root.get(vid, vid), []).append(vid)
-    generator = torch.Generator()
-    generator.set_state(_entry_state(trace, together))
-    private: dict[int, torch.Generator] = {}
-    env: dict[int, torch.Tensor] = {}
-    held: dict[int, list[int]] = {}  # root -> value ids in env
-
-    def decode(value: Any) -> Any:
-        kind = type(value)
-        if kind is _Ref:
-            return env[value.vid]
-        if kind is tuple or kind is list:
-            return kind(decode(v) for v in value)
-        if kind is dict:
-            return {k: decode(v) for k, v in value.items()}
-        if value is _MetaDevice:
-            return _CPU
-        if kind is _Gen:
-            gen = private.get(value.key)
-            if gen is None:
-                gen = private[value.key] = torch.Generator()
-                gen.set_state(trace.generators[value.key])
-            return gen
-        return value
-
-    def bind(spec: Any, result: Any) -> None:
-        if type(spec) is _Ref:
-            env[spec.vid] = result
-            held.setdefault(root.get(spec.vid, spec.vid), []).append(spec.vid)
-        elif type(spec) in (tuple, list):
-            for s, r in zip(spec, result, strict=True):
-                bind(s, r)
-
-    done = set()
-    for i, op in enumerate(ops):
-        if draw_only[i]:
-            assert op.scratch is not None
-            shape, dtype = op.scratch
-            env[op.mutated] = torch.empty(shape, dtype=dtype)
-            _run(op, env, decode, bind, generator)
-            del env[op.mutated]
-        elif birth[i]:
-            assert op.scratch is not None
-            shape, dtype = op.scratch
-            env[op.mutated] = torch.empty(shape, dtype=dtype)
-            held.setdefault(op.mutated, []).append(op.mutated)
-            _run(op, env, decode, bind, generator)
-        elif live[i]:
-            _run(op, env, decode, bind, generator)
-        for r in finish.get(i, ()):
-            for vid in by_root.get(r, ()):
-                value = env[vid]
-                if device != _CPU:
-                    value = value.to(device)
-                for slot in targets[vid]:
-                    _check(slot, value)
-                    _install(slot, value)
-                done.add(vid)
-            for vid in held.pop(r, ()):
-                env.pop(vid, None)
-    trace.replayed_exit = generator.get_state()
-    missing = [group[0].names[0] for vid, group in targets.items() if vid not in done]
-    if missing:
-        raise RuntimeError(f"metamode.materialize: replay produced no value for {missing}")
-
-
-def _run(op: Op, env: dict, decode: Any, bind: Any, generator: torch.Generator) -> None:
-    if any(v not in env for v in op.ins):
-        return  # reads a tensor the replay cannot make: its results are refused
-    args = decode(op.args)
-    kwargs = decode(op.kwargs)
-    if op.random:
-        if kwargs.get("generator") is None:
-            kwargs["generator"] = generator
-        if "default_generator" in kwargs:
-            kwargs["default_generator"] = generator
-    result = op.func(*args, **kwargs)
-    bind(op.out_spec, result)
-
-
-def _check(slot: _Slot, value: torch.Tensor) -> None:
-    tensor = slot.tensor
-    if value.shape != tensor.shape or value.dtype != tensor.dtype:
-        raise RuntimeError(
-            f"metamode.materialize: replayed {slot.names[0]!r} is {value.dtype}{list(value.shape)}"
-            f" but the module holds {tensor.dtype}{list(tensor.shape)}; the recorded build and "
-            f"the module disagree (was it changed after the empty_weights block?)"
-        )
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"

@@ -108,8 +108,8 @@ def _on_buffer_registered(module, name, tensor):
         return None
     if type(tensor) is Tensor:
         with DisableTorchFunction():
-            return context.place_buffer(tensor)
-    return context.place_buffer(tensor)
+            return context.place_buffer(tensor, module, name)
+    return context.place_buffer(tensor, module, name)
 
 
 # A function attribute marks them, so a second copy of the package finds them.

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from metamode._core import stack as _stack
 from metamode._core.params import moved_parameter, moved_tensor
 from metamode._core.skip_rule import skipped_target
-from metamode._core.trace import Trace
+from metamode._core.recording import Recorder
 from metamode._torch import device_constructors, pop_mode, push_mode
 
 __all__ = [
@@ -277,6 +277,8 @@ class EmptyWeights(ThreadScopedMode):
     module: with ``include_buffers=True`` it sends factory calls without ``device=`` to
     ``device`` (torch's own constructor list, as ``with torch.device(device)``); on meta it
     returns early from the calls :func:`metamode._core.skip_rule.skipped_target` skips.
+    A replayable context records the build (:mod:`metamode._core.recording`); one entered
+    while another records in the thread joins that recording.
     """
 
     def __init__(
@@ -293,8 +295,9 @@ class EmptyWeights(ThreadScopedMode):
         # original tensor -> moved tensor, so tied weights stay tied; weak so a
         # huge model's CPU originals are not kept alive by the context.
         self._moved: torch.utils.weak.WeakIdKeyDictionary | None = None
-        # What metamode.materialize replays (metamode._core.trace); meta device only.
-        self._trace: Trace | None = None
+        # The recording this context writes (its own, or the one it joined).
+        self._recorder: Recorder | None = None
+        self._records = False  # the calls reach this context's handler first
 
     def _settings(self) -> tuple:
         return (self.device, self.include_buffers, self.replayable)
@@ -311,35 +314,47 @@ class EmptyWeights(ThreadScopedMode):
             kwargs = {}
         if self._inert:
             return func(*args, **kwargs)
-        trace = self._trace
-        if self._suspended:
-            if trace is not None:  # real calls: recorded to keep the random stream aligned
-                return trace.record(func, args, kwargs, _call)
-            return func(*args, **kwargs)
-        if trace is not None:
-            return trace.record(func, args, kwargs, self._run)
-        return self._run(func, args, kwargs)
+        if self._records:
+            return self._recorder.record(func, args, kwargs, self)  # type: ignore[union-attr]
+        if self._recorder is not None:  # joined: the recording context below records
+            return self._redirected(func, args, kwargs)
+        return self.placed_call(func, args, kwargs)[0]
 
-    def _run(self, func, args, kwargs):
+    def _redirected(self, func, args, kwargs):
         if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
-            kwargs["device"] = self.device
-        elif self._skip_init:
-            target = skipped_target(func, args, kwargs)
-            if target is not None:
-                return target
+            kwargs = {**kwargs, "device": self.device}
         return func(*args, **kwargs)
 
+    def placed_call(self, func, args, kwargs) -> tuple[Any, bool]:
+        """Run ``func`` as this context does; True when it skipped the call instead."""
+        if self._suspended:
+            return func(*args, **kwargs), False
+        if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
+            return func(*args, **{**kwargs, "device": self.device}), False
+        if self._skip_init:
+            target = skipped_target(func, args, kwargs)
+            if target is not None:
+                return target, True
+        return func(*args, **kwargs), False
+
     def _after_enter(self) -> None:
-        if self.replayable:
-            self._trace = Trace(self.device)
+        if not self.replayable:
+            return
+        for mode in _stack.modes_innermost_first():
+            if isinstance(mode, EmptyWeights) and mode is not self and not mode._inert:
+                if mode._recorder is not None:
+                    self._recorder = mode._recorder
+                    return
+        self._recorder = Recorder()
+        self._records = True
 
     def _before_exit(self) -> None:
-        if self._trace is not None:
-            self._trace.close()
+        if self._records and self._recorder is not None:
+            self._recorder.close()
 
     def _after_refused_exit(self) -> None:
-        if self._trace is not None:
-            self._trace.abandon(
+        if self._recorder is not None:
+            self._recorder.abandon(
                 "its empty_weights context was exited from another thread, so the "
                 "recording of the build is incomplete"
             )
@@ -348,17 +363,21 @@ class EmptyWeights(ThreadScopedMode):
     def place_parameter(
         self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
     ) -> torch.nn.Parameter | None:
+        """The tensor to register in ``param``'s place (None: ``param`` itself)."""
         placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
-        if self._trace is not None:
-            self._trace.note_registered(param, placed, module, name)
+        if self._recorder is not None:
+            self._recorder.registered(param, placed, module, name)
         return placed
 
-    def place_buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
+    def place_buffer(
+        self, tensor: torch.Tensor, module: Any = None, name: str | None = None
+    ) -> torch.Tensor | None:
+        """The tensor to register in ``tensor``'s place (None: ``tensor`` itself)."""
         placed = None
         if self.include_buffers and not _already_on(tensor, self.device):
             placed = self._memoised(tensor, moved_tensor)
-        if self._trace is not None:
-            self._trace.note_registered(tensor, placed)
+        if self._recorder is not None:
+            self._recorder.registered(tensor, placed, module, name)
         return placed
 
     def _memoised(self, tensor, move):
@@ -452,10 +471,6 @@ def _bare_decorator(name: str, func: object) -> str:
             f"use @metamode.{name}() instead."
         )
     return f"metamode.{name}() takes no arguments, got {what}."
-
-
-def _call(func, args, kwargs):
-    return func(*args, **kwargs)
 
 
 def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:

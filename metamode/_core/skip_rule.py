@@ -14,60 +14,22 @@ from typing import Any
 
 import torch
 
+from metamode._core.facts import INIT_FUNCTION_NAMES, VALUE_WRITING_METHOD_NAMES
 from metamode._torch import default_torch_function
 
 __all__ = [
     "POINTLESS_ON_META",
-    "RANDOM_INIT_FUNCTIONS",
-    "VALUE_WRITING_METHOD_NAMES",
     "bound_in_nn_init",
+    "dispatches_plainly",
     "skipped_target",
+    "split_target",
 ]
 
-# The torch.nn.init functions that draw random numbers ...
-RANDOM_INIT_FUNCTIONS = (
-    "uniform_",
-    "normal_",
-    "trunc_normal_",
-    "xavier_uniform_",
-    "xavier_normal_",
-    "kaiming_uniform_",
-    "kaiming_normal_",
-    "orthogonal_",
-    "sparse_",
-)
-# ... and all that only write values.
-_INIT_FUNCTIONS = (*RANDOM_INIT_FUNCTIONS, "constant_", "ones_", "zeros_", "eye_", "dirac_")
-# In-place methods whose result does not depend on the tensor's current values
-# (metamode.skip_init skips these on real parameters too).
-OVERWRITING_METHOD_NAMES = (
-    "uniform_",
-    "normal_",
-    "fill_",
-    "zero_",
-    "random_",
-    "exponential_",
-    "geometric_",
-    "log_normal_",
-    "cauchy_",
-    "bernoulli_",
-)
-# On a meta tensor, value arithmetic computes nothing either.
-VALUE_WRITING_METHOD_NAMES = (
-    *OVERWRITING_METHOD_NAMES,
-    "erfinv_",
-    "clamp_",
-    "mul_",
-    "add_",
-    "sub_",
-    "div_",
-)
-
 _INIT_MODULE = vars(torch.nn.init)
-_INIT_NAMES = frozenset(_INIT_FUNCTIONS)
+_INIT_NAMES = frozenset(INIT_FUNCTION_NAMES)
 _METHODS = frozenset(getattr(torch.Tensor, name) for name in VALUE_WRITING_METHOD_NAMES)
 POINTLESS_ON_META: frozenset[Any] = frozenset(
-    [_INIT_MODULE[name] for name in _INIT_FUNCTIONS] + list(_METHODS)
+    [_INIT_MODULE[name] for name in INIT_FUNCTION_NAMES] + list(_METHODS)
 )
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
@@ -125,7 +87,7 @@ def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     Non-None exactly when all of these hold:
 
     * ``func`` is value-initialising: in ``POINTLESS_ON_META`` (the ``torch.nn.init``
-      functions in ``_INIT_FUNCTIONS`` and in-place methods that only write values -- never
+      functions in ``facts.INIT_FUNCTION_NAMES`` and in-place methods that only write values -- never
       ``resize_``, ``set_``, ``requires_grad_``, ``copy_`` or a shape-changing method, never a
       dunder), or the function ``torch.nn.init`` binds under one of those names at call time;
     * its target (first positional argument, or ``tensor=``/``self=``) is a meta tensor

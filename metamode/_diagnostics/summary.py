@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from metamode._contexts.materialize import _slots, _traces, _why_not
+from metamode._contexts.materialize import unreproducible
 
 __all__ = ["Summary", "SummaryRow", "summary"]
 
@@ -196,7 +196,7 @@ def summary(module: nn.Module) -> Summary:
     groups: dict[tuple[str, str, str], list[int]] = {}
     meta: list[str] = []
     materializable: list[str] = []
-    traces = _traces(_slots(module))
+    refused = unreproducible(module)
     tied: list[tuple[str, ...]] = []
     for kind, named in (
         ("parameter", module.named_parameters(remove_duplicate=False)),
@@ -215,8 +215,7 @@ def summary(module: nn.Module) -> Summary:
                 tied.append(tuple(names))
             if tensor.is_meta:
                 meta.append(names[0])
-                entry, reason = _why_not(tensor, traces)
-                if entry is not None and reason is None:
+                if not any(name in refused for name in names):
                     materializable.append(names[0])
             group = groups.setdefault((kind, str(tensor.device), _dtype(tensor.dtype)), [0, 0, 0])
             group[0] += 1

@@ -14,7 +14,8 @@ import torch
 import torch.overrides
 
 from metamode._core.modes import ThreadScopedMode
-from metamode._core.skip_rule import VALUE_WRITING_METHOD_NAMES, split_target
+from metamode._core.facts import VALUE_WRITING_METHOD_NAMES
+from metamode._core.skip_rule import split_target
 
 __all__ = ["SkipLibraryInit", "library_init_names"]
 

@@ -1,0 +1,336 @@
+"""What metamode knows about the torch functions a torch-function mode is handed.
+
+One table serves the recorder, the skip rule, ``skip_init``, the exact skip of the
+shims and the diagnostics. Where torch states a fact, the table reads it: an aten op
+tagged ``nondeterministic_seeded`` draws random numbers, a schema with a ``generator``
+argument takes ``generator=``, torch's device-constructor list names the factories, the
+``inplace_view`` tag marks calls that change a tensor's geometry, and torch's own
+``torch.nn.init`` code says which init functions return early on meta. What torch does
+not state -- which calls only read metadata, and which overwrite their target without
+reading it -- is written out here, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FunctionType
+from typing import Any
+
+import torch
+
+from metamode._torch import device_constructors
+
+__all__ = [
+    "INIT_FUNCTION_NAMES",
+    "OVERWRITING_METHOD_NAMES",
+    "RANDOM_INIT_FUNCTION_NAMES",
+    "VALUE_WRITING_METHOD_NAMES",
+    "Fact",
+    "MetaShortcut",
+    "fact_of",
+    "meta_shortcut",
+]
+
+# -- written out: torch states no such facts -------------------------------------------
+
+# The torch.nn.init functions that draw random numbers ...
+RANDOM_INIT_FUNCTION_NAMES = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+# ... and all that only write values (each overwrites its whole argument).
+INIT_FUNCTION_NAMES = (*RANDOM_INIT_FUNCTION_NAMES, "constant_", "ones_", "zeros_", "eye_", "dirac_")
+# In-place methods whose result does not depend on the tensor's current values.
+OVERWRITING_METHOD_NAMES = (
+    "uniform_",
+    "normal_",
+    "fill_",
+    "zero_",
+    "random_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+    "bernoulli_",
+)
+# In-place methods that only compute values: on a meta tensor they compute nothing.
+VALUE_WRITING_METHOD_NAMES = (
+    *OVERWRITING_METHOD_NAMES,
+    "erfinv_",
+    "clamp_",
+    "mul_",
+    "add_",
+    "sub_",
+    "div_",
+)
+# Calls that read a tensor's metadata, never its values, and return no tensor.
+_QUERY_METHODS = frozenset(
+    [
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "element_size",
+        "nelement",
+        "ndimension",
+        "get_device",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "is_inference",
+        "is_pinned",
+        "is_shared",
+        "has_names",
+        "is_same_size",
+        "dim_order",
+        "data_ptr",
+        "untyped_storage",
+        "__len__",
+        "__hash__",
+    ]
+)
+_QUERY_PROPERTIES = frozenset(
+    [
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "ndim",
+        "names",
+        "itemsize",
+        "nbytes",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "_version",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "is_mkldnn",
+        "is_nested",
+        "is_xla",
+        "is_mps",
+        "output_nr",
+        "_cdata",
+        "_base",
+        "grad",
+        "retains_grad",
+    ]
+)
+# Calls that may give a tensor another storage or geometry in place.
+_GEOMETRY_CHANGING = frozenset(["set_", "resize_", "resize_as_", "data"])
+
+# -- the table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """What one torch function is.
+
+    ``query``: reads only metadata and returns no tensor (never recorded). ``random``:
+    draws random numbers. ``generator``: takes ``generator=``. ``factory``: makes a tensor
+    from arguments that are not tensors (torch's device-constructor list). ``overwrites``:
+    writes its first argument without reading its values. ``init``: a ``torch.nn.init``
+    function. ``changes_geometry``: may give a tensor argument another storage, shape or
+    strides in place. ``is_meta``: the ``is_meta`` property read.
+    """
+
+    name: str
+    query: bool = False
+    random: bool = False
+    generator: bool = False
+    factory: bool = False
+    overwrites: bool = False
+    init: bool = False
+    changes_geometry: bool = False
+    is_meta: bool = False
+
+
+_QUERY_FACT = Fact("query", query=True)
+_FACTS: dict[Any, Fact] = {}
+_INIT = vars(torch.nn.init)
+_TENSOR_OBJCLASSES = torch.Tensor.__mro__[:-1]  # Tensor and the C class its methods live on
+
+
+def fact_of(func: Any) -> Fact:
+    """The :class:`Fact` of ``func`` (any callable a torch-function mode is handed)."""
+    fact = _FACTS.get(func)
+    if fact is None:
+        fact = _FACTS[func] = _classify(func)
+    return fact
+
+
+def _classify(func: Any) -> Fact:
+    name = getattr(func, "__name__", "") or ""
+    if name in ("__get__", "__set__"):
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name == "__get__" and prop == "is_meta":
+            return Fact("is_meta", query=True, is_meta=True)
+        if name == "__get__" and prop in _QUERY_PROPERTIES:
+            return _QUERY_FACT
+        return Fact(f"{prop}.{name}", changes_geometry=prop in _GEOMETRY_CHANGING)
+    if name in _QUERY_METHODS and _is_tensor_method(func):
+        return _QUERY_FACT
+    if type(func) is FunctionType:
+        return _python_fact(func, name)
+    ops = _aten_overloads(name)
+    return Fact(
+        name,
+        random=_random_op(name),
+        generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
+        factory=func in _factories(),
+        overwrites=name in OVERWRITING_METHOD_NAMES and _is_tensor_method(func),
+        changes_geometry=name in _GEOMETRY_CHANGING
+        or any(torch.Tag.inplace_view in op.tags for op in ops),
+    )
+
+
+def _python_fact(func: FunctionType, name: str) -> Fact:
+    code = func.__code__
+    parameters = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    init = _INIT.get(name) is func
+    return Fact(
+        name,
+        random=_calls_random_op(func),
+        generator="generator" in parameters,
+        overwrites=init and name in INIT_FUNCTION_NAMES,
+        init=init,
+    )
+
+
+def _is_tensor_method(func: Any) -> bool:
+    return getattr(func, "__objclass__", None) in _TENSOR_OBJCLASSES
+
+
+@functools.cache
+def _factories() -> frozenset[Any]:
+    return frozenset(device_constructors())
+
+
+def _aten_overloads(name: str) -> list[Any]:
+    """torch's aten ops bound under ``name`` (a C binding's name is its op's name)."""
+    packet = getattr(torch.ops.aten, name, None) if name and name.isidentifier() else None
+    if packet is None or not hasattr(packet, "overloads"):
+        return []
+    return [getattr(packet, overload) for overload in packet.overloads()]
+
+
+@functools.cache
+def _random_op(name: str) -> bool:
+    """Whether torch's aten op ``name`` draws random numbers (its ``nondeterministic_seeded`` tag)."""
+    return any(torch.Tag.nondeterministic_seeded in op.tags for op in _aten_overloads(name))
+
+
+def _calls_random_op(func: FunctionType, seen: frozenset[CodeType] = frozenset()) -> bool:
+    """Whether a Python-level torch function names a random op, directly or through the
+    Python functions of torch it names or closes over (conservative: a name, not a call)."""
+    code = func.__code__
+    if code in seen:
+        return False
+    seen = seen | {code}
+    callees = [func.__globals__.get(name) for name in _all_names(code)]
+    callees += [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
+    if any(_random_op(name) for name in _all_names(code)):
+        return True
+    return any(
+        type(callee) is FunctionType
+        and callee.__module__.startswith("torch")
+        and _calls_random_op(callee, seen)
+        for callee in callees
+    )
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _all_names(code: CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):  # nested functions and comprehensions
+            names |= _all_names(constant)
+    return names
+
+
+# -- torch.nn.init functions that return early on meta -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MetaShortcut:
+    """A ``torch.nn.init`` function that returns early for a meta tensor: the only call a
+    mode sees from it is the ``is_meta`` read in ``reader``. Replay runs ``replay`` with the
+    reader's arguments, which are ``function``'s public ones."""
+
+    function: Callable[..., Any]
+    replay: Callable[..., Any]
+    parameters: tuple[str, ...]
+    random: bool
+
+
+def _sparse_(tensor, sparsity, std=0.01, generator=None, default_generator=None):
+    """``torch.nn.init.sparse_`` with its ``randperm`` draws, which torch takes from the
+    default generator whatever ``generator`` is, taken from ``default_generator``."""
+    rows, cols = tensor.shape
+    num_zeros = math.ceil(sparsity * rows)
+    with torch.no_grad():
+        tensor.normal_(0, std, generator=generator)
+        for col_idx in range(cols):
+            row_indices = torch.randperm(rows, generator=default_generator)
+            tensor[row_indices[:num_zeros], col_idx] = 0
+    return tensor
+
+
+# torch functions whose draws do not all honour ``generator=``, with a faithful copy that
+# takes the stray draws from ``default_generator``.
+_REPLAYS: dict[str, Callable[..., Any]] = {"sparse_": _sparse_}
+
+
+@functools.cache
+def _meta_shortcuts() -> dict[CodeType, MetaShortcut]:
+    table: dict[CodeType, MetaShortcut] = {}
+    for name, function in _INIT.items():
+        if name.startswith("_") or type(function) is not FunctionType:
+            continue
+        parameters = tuple(inspect.signature(function).parameters)
+        readers = [function.__code__] if "is_meta" in function.__code__.co_names else []
+        for helper_name in function.__code__.co_names:
+            helper = _INIT.get(helper_name)
+            if (
+                helper_name.startswith("_")
+                and type(helper) is FunctionType
+                and "is_meta" in helper.__code__.co_names
+            ):
+                readers.append(helper.__code__)
+        for code in readers:
+            own = code.co_varnames[: code.co_argcount]
+            if set(own) <= set(parameters):
+                table[code] = MetaShortcut(
+                    function,
+                    _REPLAYS.get(name, function),
+                    own,
+                    "generator" in parameters,
+                )
+    return table
+
+
+def meta_shortcut(code: CodeType) -> MetaShortcut | None:
+    """The init function that returns early on meta after reading ``is_meta`` in ``code``."""
+    return _meta_shortcuts().get(code)

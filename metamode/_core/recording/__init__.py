@@ -1,0 +1,30 @@
+"""Record a build, plan a replay, run it: the home of everything ``materialize`` needs.
+
+:mod:`.program` is the format, :mod:`.recorder` writes it while a replayable context
+is active, :mod:`.streams` keeps track of generator states, :mod:`.registry` says which
+program a registered tensor comes from, :mod:`.plan` picks the calls a set of tensors
+needs and what is refused, and :mod:`.execute` runs them. Nothing outside this package
+reads a program.
+"""
+
+from metamode._core.recording.execute import ReplayError, execute
+from metamode._core.recording.plan import Key, Plan, plan
+from metamode._core.recording.program import Program, ProgramState, TensorRef
+from metamode._core.recording.recorder import Recorder
+from metamode._core.recording.registry import Entry, entry, forget, home
+
+__all__ = [
+    "Entry",
+    "Key",
+    "Plan",
+    "Program",
+    "ProgramState",
+    "Recorder",
+    "ReplayError",
+    "TensorRef",
+    "entry",
+    "execute",
+    "forget",
+    "home",
+    "plan",
+]

@@ -1,0 +1,168 @@
+"""Running a :class:`Plan` on CPU with private generators.
+
+Storages live in ``env`` as torch ``UntypedStorage`` objects; every argument is rebuilt
+as the exact view the build used (``set_`` on the storage with the recorded dtype, size,
+strides and offset), so writes through views and aliases land where they did. Each draw
+gets a private ``torch.Generator`` positioned where eager construction's generator was;
+the process's default generator is never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from metamode._core.recording.plan import DrawKey, Key, Plan, Step, Use
+from metamode._core.recording.program import Call, Origin, Start, TensorRef
+from metamode._core.recording.recorder import GENERATOR
+from metamode._core.recording.streams import replayed
+from metamode._torch import DisableTorchFunction
+
+__all__ = ["ReplayError", "execute"]
+
+
+class ReplayError(RuntimeError):
+    """Replay did not come out as the recording says it must."""
+
+
+def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
+    return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+
+
+class _Run:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.env: dict[Key, torch.UntypedStorage] = {}
+        self.positioned: dict[DrawKey, torch.Generator] = {}
+        self.snapshots: dict[DrawKey, torch.Tensor] = {}
+
+    def storage(self, key: Key) -> torch.UntypedStorage | None:
+        storage = self.env.get(key)
+        if storage is not None:
+            return storage
+        info = self.plan.programs[key[0]].storages[key[1]]
+        if info.origin is Origin.OUTSIDE and info.outside is not None:
+            tensor = info.outside.tensor()
+            if tensor is None:
+                raise ReplayError("a tensor from outside the recording is gone")
+            storage = self.env[key] = tensor.untyped_storage()
+        return storage
+
+    def generator(self, step: Step, draw: Any) -> torch.Generator:
+        if draw.start is Start.ANCHOR:
+            generator = torch.Generator()
+            generator.set_state(draw.state)
+            return generator
+        key = step.starts.get(draw.stream)
+        if key in self.snapshots:
+            generator = torch.Generator()
+            generator.set_state(self.snapshots[key])
+            return generator
+        generator = self.positioned.pop(key, None) if key is not None else None
+        if generator is None:
+            raise ReplayError(f"no generator state for a draw of {_name(step.call)}")
+        return generator
+
+    def run(self, step: Step) -> Any:
+        call, serial = step.call, step.program.serial
+        scratch: dict[int, torch.UntypedStorage] = {}
+        draws_only = step.use is Use.DRAWS
+
+        def decode(value: Any) -> Any:
+            kind = type(value)
+            if kind is TensorRef:
+                storage = None
+                if not (draws_only and value.storage == call.target):
+                    storage = self.storage((serial, value.storage))
+                if storage is None:
+                    # born here (a call overwriting all of it), or memory for draws only
+                    storage = scratch.get(value.storage)
+                    if storage is None:
+                        nbytes = step.program.storages[value.storage].nbytes
+                        storage = scratch[value.storage] = torch.UntypedStorage(nbytes)
+                        if not draws_only:
+                            self.env[(serial, value.storage)] = storage
+                return _view(storage, value)
+            if kind is tuple or kind is list:
+                return kind(decode(v) for v in value)
+            if kind is dict:
+                return {k: decode(v) for k, v in value.items()}
+            if kind is slice:
+                return slice(decode(value.start), decode(value.stop), decode(value.step))
+            return value
+
+        args = decode(call.args)
+        kwargs = decode(call.kwargs)
+        generators = [self.generator(step, draw) for draw in call.draws]
+        if generators:
+            args = tuple(generators[0] if a is GENERATOR else a for a in args)
+            for name, value in kwargs.items():
+                if value is GENERATOR:
+                    kwargs[name] = generators[0]
+            for draw, generator in zip(call.draws, generators, strict=True):
+                for keyword in draw.keywords:
+                    kwargs[keyword] = generator
+        default = torch.get_default_dtype()
+        if call.default_dtype is not None and call.default_dtype != default:
+            raise ReplayError(f"the default dtype changed to {default} during materialize")
+        result = call.func(*args, **kwargs)
+        if not draws_only:
+            _bind(call, result, serial, self.env)
+        for draw, generator in zip(call.draws, generators, strict=True):
+            key = (serial, step.index, draw.stream)
+            self.positioned[key] = generator
+            if draw.stream in step.keep:
+                self.snapshots[key] = generator.get_state()
+            seed = step.program.markers.get((step.index, draw.stream))
+            if seed is not None:
+                replayed(seed, generator.get_state())
+        return result
+
+
+def execute(plan: Plan, done: Callable[[Key, torch.UntypedStorage], None]) -> None:
+    """Run ``plan``; ``done(key, storage)`` is called once each wanted storage is final."""
+    run = _Run(plan)
+    finals: dict[int, list[Key]] = {}
+    for key, position in plan.done_after.items():
+        finals.setdefault(position, []).append(key)
+    frees: dict[int, list[Key]] = {}
+    for key, position in plan.last_use.items():
+        frees.setdefault(position, []).append(key)
+    with torch.no_grad(), DisableTorchFunction():
+        for key in plan.wanted:
+            if key not in plan.done_after:  # a tensor from outside, read as it is
+                storage = run.storage(key)
+                if storage is None:
+                    raise ReplayError("a wanted storage has no value")
+                done(key, storage)
+        for position, step in enumerate(plan.steps):
+            run.run(step)
+            for key in finals.get(position, ()):
+                done(key, run.env[key])
+            for key in frees.get(position, ()):
+                run.env.pop(key, None)
+
+
+def _bind(call: Call, result: Any, serial: int, env: dict[Key, torch.UntypedStorage]) -> None:
+    created = set(call.creates)
+
+    def bind(spec: Any, value: Any) -> None:
+        if type(spec) is TensorRef:
+            if spec.storage in created:
+                if value.dtype != spec.dtype or tuple(value.shape) != spec.size:
+                    raise ReplayError(
+                        f"{_name(call)} replayed {value.dtype}{list(value.shape)} where the "
+                        f"build made {spec.dtype}{list(spec.size)}"
+                    )
+                env[(serial, spec.storage)] = value.untyped_storage()
+        elif isinstance(spec, tuple | list):
+            for s, v in zip(spec, value, strict=True):
+                bind(s, v)
+
+    bind(call.result, result)
+
+
+def _name(call: Call) -> str:
+    return getattr(call.func, "__qualname__", None) or repr(call.func)

@@ -1,0 +1,211 @@
+"""The recorded program: plain, typed data, printable and buildable by hand.
+
+A program is what one replayable ``empty_weights`` context (and every replayable context
+entered inside it) saw its thread do: the calls that created or wrote tensor storage, in
+order, with every argument captured by value. Tensors are named by *storage* and view
+(dtype, size, strides, offset), the way torch itself keeps them, so writes through views,
+``.data`` and aliases need no special case: replay writes the same bytes of the same
+storage. Random calls say which generator stream they draw from and how its state is
+known (:class:`Draw`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Call",
+    "Draw",
+    "Origin",
+    "Outside",
+    "Program",
+    "ProgramState",
+    "Start",
+    "Storage",
+    "Stream",
+    "TensorRef",
+]
+
+_SERIALS = itertools.count()
+_SEQUENCE = itertools.count()  # orders calls across programs (threads, chained builds)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor argument or result: a view of storage ``storage`` of its program."""
+
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        layout = "" if self.offset == 0 and _contiguous(self) else f" {self.stride}+{self.offset}"
+        return f"s{self.storage}:{dtype}{list(self.size)}{layout}"
+
+
+def _contiguous(ref: TensorRef) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(ref.size), reversed(ref.stride), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class Origin(enum.Enum):
+    """Where a storage's first value comes from."""
+
+    CREATED = "created by a recorded call"
+    OUTSIDE = "a real tensor made outside the recording"
+    UNKNOWN = "a meta tensor made outside the recording"
+
+
+@dataclass(slots=True)
+class Outside:
+    """A real tensor made outside the recording that the build read: replay reads it at
+    materialize time if its version counter and storage prove it unchanged."""
+
+    tensor: Callable[[], torch.Tensor | None]  # a weak reference
+    version: int
+    storage: int  # the storage's address, kept from reuse by the weak reference below
+    keep: Any  # torch's StorageWeakRef to that storage
+    written: bool = False  # the build wrote it: its value at first use is gone
+
+
+@dataclass(slots=True)
+class Storage:
+    """One storage the build touched."""
+
+    origin: Origin
+    device: str
+    nbytes: int
+    call: int | None = None  # the creating call, for CREATED
+    outside: Outside | None = None
+    # the build left different values in it than eager construction would (a real
+    # storage drawn from a generator state eager would not have been in)
+    off: bool = False
+    refused: str | None = None  # why its value cannot be known
+
+
+class Start(enum.Enum):
+    """How a draw's generator state is known."""
+
+    CONTINUE = "continues the stream"  # after the previous draw of this stream
+    ANCHOR = "an absolute state"  # ``Draw.state``: eager was in exactly this state
+    AFTER = "after an earlier draw"  # ``Draw.after``: fork_rng, set_rng_state, a chain
+    UNKNOWN = "unknowable"  # ``Draw.reason`` says why
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A generator a program draws from: the default CPU generator, or a user's."""
+
+    index: int
+    default: bool
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class Draw:
+    """One random call's use of one stream."""
+
+    stream: int
+    start: Start
+    state: torch.Tensor | None = None  # ANCHOR
+    after: tuple[Program, int, int] | None = None  # AFTER: (program, call index, stream)
+    reason: str = ""  # UNKNOWN
+    keywords: tuple[str, ...] = ("generator",)  # where replay passes it (none: it can't)
+
+
+@dataclass(slots=True)
+class Call:
+    """One recorded call that created or wrote storage, or drew random numbers.
+
+    ``args``/``kwargs`` hold captured values, with :class:`TensorRef` for tensors and
+    ``GENERATOR`` where a draw's generator goes. ``writes`` are storages written in place
+    (seen by version counters), ``creates`` storages born here, ``result`` the result's
+    structure. ``target`` is the storage of a first argument the call overwrites without
+    reading its values, ``covers`` that storage when the argument is all of it.
+    ``refused`` says why the call cannot be replayed.
+    """
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    reads: tuple[int, ...]
+    writes: tuple[int, ...]
+    creates: tuple[int, ...]
+    result: Any
+    draws: tuple[Draw, ...] = ()
+    target: int | None = None
+    covers: int | None = None
+    refused: str | None = None
+    default_dtype: torch.dtype | None = None  # the result's dtype came from the default
+    seq: int = field(default_factory=lambda: next(_SEQUENCE))
+
+    def __repr__(self) -> str:
+        name = getattr(func := self.func, "__qualname__", None) or repr(func)
+        args = ", ".join([*map(repr, self.args), *(f"{k}={v!r}" for k, v in self.kwargs.items())])
+        notes = []
+        if self.writes:
+            notes.append("writes " + ", ".join(f"s{s}" for s in self.writes))
+        for draw in self.draws:
+            notes.append(f"draws stream {draw.stream} ({draw.start.name.lower()})")
+        if self.refused:
+            notes.append(f"refused: {self.refused}")
+        note = f"  # {'; '.join(notes)}" if notes else ""
+        return f"{self.result!r} = {name}({args}){note}"
+
+
+class ProgramState(enum.Enum):
+    RECORDING = "recording"
+    CLOSED = "closed"
+    ABANDONED = "abandoned"
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class Program:
+    """A recorded build. ``diverged`` says why none of it can be replayed, if so."""
+
+    calls: list[Call] = field(default_factory=list)
+    storages: list[Storage] = field(default_factory=list)
+    streams: list[Stream] = field(default_factory=list)
+    state: ProgramState = ProgramState.RECORDING
+    diverged: str | None = None
+    abandoned: str | None = None
+    owner: str = field(default_factory=lambda: threading.current_thread().name)
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+    default_dtype: torch.dtype = field(default_factory=torch.get_default_dtype)
+    # (call index, stream) -> the marker seed its draw left the generator in
+    markers: dict[tuple[int, int], int] = field(default_factory=dict)
+    finalizer: Any = None  # drops the program's markers when it is gone
+    # after the recording: storage address -> (index, weak reference), for tensors that
+    # share a recorded storage but were never handed to a mode (``copy.deepcopy``)
+    live: dict[int, tuple[int, Any]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<metamode program {self.serial}: {len(self.calls)} calls, {self.state.value}>"
+
+    def listing(self) -> str:
+        """The program as text, one call per line."""
+        return "\n".join(self._lines())
+
+    def _lines(self) -> Iterator[str]:
+        yield repr(self)
+        for index, storage in enumerate(self.storages):
+            if storage.origin is not Origin.CREATED:
+                yield f"  s{index}: {storage.origin.value} ({storage.device})"
+        for index, call in enumerate(self.calls):
+            yield f"  {index:4d}  {call!r}"
+        if self.diverged:
+            yield f"  diverged: {self.diverged}"

@@ -1,0 +1,543 @@
+"""Recording a build: the torch calls a replayable ``empty_weights`` context's thread makes.
+
+The recorder sees each top-level torch call once, in the thread's innermost replayable
+context, and keeps only what replay needs: calls that create storage, write storage
+(a tensor argument's version counter moved, or the context skipped a value-initialising
+call on meta) or draw random numbers. Views, queries and calls that change nothing are
+not kept: a view's geometry lives in the :class:`TensorRef` of every call that uses it.
+Arguments are captured by value when the call is made (Python data copied, NumPy arrays
+copied, devices mapped to the CPU replay computes on).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from metamode._core.facts import Fact, fact_of, meta_shortcut
+from metamode._core.recording import registry
+from metamode._core.recording.program import (
+    Call,
+    Draw,
+    Origin,
+    Outside,
+    Program,
+    ProgramState,
+    Start,
+    Storage,
+    Stream,
+    TensorRef,
+)
+from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
+from metamode._core.skip_rule import dispatches_plainly
+
+__all__ = ["GENERATOR", "Recorder"]
+
+
+class _Generator:
+    """Where a draw's generator goes in a recorded call's arguments."""
+
+    def __repr__(self) -> str:
+        return "<generator>"
+
+
+GENERATOR = _Generator()
+_CPU = torch.device("cpu")
+_IMMUTABLE = frozenset(
+    [
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        bytes,
+        type(None),
+        type(...),
+        range,
+        torch.dtype,
+        torch.layout,
+        torch.memory_format,
+        torch.Size,
+    ]
+)
+_TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
+_TO = torch.Tensor.to
+
+
+class CannotCapture(Exception):
+    """An argument recording cannot keep by value."""
+
+
+class Runner(Protocol):
+    def placed_call(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        """Run ``func`` as the context does; True when it skipped the call instead."""
+        ...
+
+
+def _is_tensor(kind: type) -> bool:
+    known = _TENSOR_TYPES.get(kind)
+    if known is None:
+        known = _TENSOR_TYPES[kind] = issubclass(kind, torch.Tensor)
+    return known
+
+
+class Recorder:
+    """Builds one :class:`Program`; owned by the outermost replayable context of a thread,
+    shared by the replayable contexts entered inside it."""
+
+    def __init__(self) -> None:
+        self.program = Program()
+        # storage address -> (storage index, weak reference keeping the address unique)
+        self._storages: dict[int, tuple[int, StorageWeakRef]] = {}
+        # id(tensor) -> (weak reference, its TensorRef, its version, storage epoch then)
+        self._tensors: dict[int, tuple[weakref.ref, TensorRef, int, int]] = {}
+        self._epochs: list[int] = []  # per storage: recorded writes so far
+        self._generators: dict[int, GeneratorTrack] = {}
+        self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
+        self._registered: list[tuple[weakref.ref, registry.Entry]] = []
+
+    # -- storages and tensors -----------------------------------------------------------
+    def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
+        storage = tensor.untyped_storage()
+        index = len(self.program.storages)
+        outside = None
+        if origin is Origin.OUTSIDE:
+            outside = Outside(weakref.ref(tensor), _version(tensor), storage._cdata, None)
+        self.program.storages.append(
+            Storage(origin, tensor.device.type, storage.nbytes(), call, outside)
+        )
+        self._epochs.append(0)
+        self._storages[storage._cdata] = (index, StorageWeakRef(storage))
+        if outside is not None:
+            outside.keep = self._storages[storage._cdata][1]
+        return index
+
+    def ref(self, tensor: torch.Tensor, creating_call: int | None = None) -> TensorRef:
+        """``tensor``'s :class:`TensorRef`; a storage first seen here was created by
+        ``creating_call`` (a result), or comes from outside the recording (an argument)."""
+        key = id(tensor)
+        seen = self._tensors.get(key)
+        if seen is not None and seen[0]() is tensor:
+            ref = seen[1]
+            version = _version(tensor)
+            if version != seen[2]:
+                epoch = self._epochs[ref.storage]
+                if epoch == seen[3]:
+                    self._refuse_storage(
+                        ref.storage,
+                        "it was written by code metamode did not record (torch functions "
+                        "disabled, or a C++ extension)",
+                    )
+                self._tensors[key] = (seen[0], ref, version, epoch)
+            return ref
+        storage = tensor.untyped_storage()
+        known = self._storages.get(storage._cdata)
+        if known is not None and not known[1].expired():
+            index = known[0]
+        elif creating_call is not None:
+            index = self._new_storage(tensor, Origin.CREATED, creating_call)
+        else:
+            origin = Origin.UNKNOWN if tensor.is_meta else Origin.OUTSIDE
+            index = self._new_storage(tensor, origin, None)
+        ref = TensorRef(
+            index, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+        )
+        self._tensors[key] = (weakref.ref(tensor), ref, _version(tensor), self._epochs[index])
+        return ref
+
+    def _refuse_storage(self, index: int, why: str) -> None:
+        storage = self.program.storages[index]
+        if storage.refused is None:
+            storage.refused = why
+
+    # -- arguments ----------------------------------------------------------------------
+    def _capture(self, value: Any, tensors: list, generators: list) -> Any:
+        kind = type(value)
+        if kind in _IMMUTABLE:
+            return value
+        if _is_tensor(kind):
+            tensors.append(value)
+            return self.ref(value)
+        if kind is tuple:
+            return tuple([self._capture(v, tensors, generators) for v in value])
+        if kind is list:
+            return [self._capture(v, tensors, generators) for v in value]
+        if kind is dict:
+            return {k: self._capture(v, tensors, generators) for k, v in value.items()}
+        if kind is torch.device:
+            return _CPU
+        if kind is torch.Generator:
+            generators.append(value)
+            return GENERATOR
+        if kind is slice:
+            return slice(
+                self._capture(value.start, tensors, generators),
+                self._capture(value.stop, tensors, generators),
+                self._capture(value.step, tensors, generators),
+            )
+        if kind.__module__ == "numpy":
+            copy = getattr(value, "copy", None)
+            return copy() if callable(copy) and hasattr(value, "shape") else value
+        if kind is bytearray:
+            return bytearray(value)
+        raise CannotCapture(f"an argument of type {kind.__qualname__} metamode cannot copy")
+
+    def _results(self, value: Any, creates: list, call: int) -> Any:
+        if _is_tensor(type(value)):
+            before = len(self.program.storages)
+            ref = self.ref(value, creating_call=call)
+            if len(self.program.storages) > before:
+                creates.append(ref.storage)
+            return ref
+        if isinstance(value, tuple | list) and value:
+            items = [self._results(v, creates, call) for v in value]
+            return type(value)(items) if type(value) in (tuple, list) else tuple(items)
+        return value
+
+    # -- calls --------------------------------------------------------------------------
+    def record(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
+        """Run ``func`` through ``runner`` and record it if it creates, writes or draws."""
+        fact = fact_of(func)
+        if fact.query:
+            result = func(*args, **kwargs)
+            if fact.is_meta and result is True and self.program.diverged is None:
+                self._meta_read(args[0], sys._getframe(2))
+            return result
+        tensors: list[torch.Tensor] = []
+        generators: list[torch.Generator] = []
+        refused = None
+        try:
+            captured_args = self._capture(args, tensors, generators)
+            captured_kwargs = self._capture(kwargs, tensors, generators) if kwargs else {}
+        except CannotCapture as error:
+            captured_args, captured_kwargs, refused = (), {}, str(error)
+        inputs = [self.ref(t) for t in tensors]
+        versions = [_version(t) for t in tensors]
+        draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
+        result, skipped = runner.placed_call(func, args, kwargs)
+        index = len(self.program.calls)
+        writes = {ref.storage for t, ref, v in zip(tensors, inputs, versions, strict=True)
+                  if _version(t) != v}
+        written = [t for t, v in zip(tensors, versions, strict=True) if _version(t) != v]
+        if skipped and tensors:
+            writes.add(inputs[0].storage)
+            written.append(tensors[0])
+        if fact.changes_geometry:
+            for tensor in tensors:
+                self._tensors.pop(id(tensor), None)
+        creates: list[int] = []
+        captured_result = self._results(result, creates, index)
+        if not writes and not creates and not fact.random:
+            if tensors and not _holds_tensor(result):
+                self._value_read(func, inputs)
+            return result
+        if fact.factory:
+            captured_kwargs = {**captured_kwargs, "device": _CPU}
+            if kwargs.get("dtype") is None and isinstance(result, torch.Tensor):
+                captured_kwargs["dtype"] = result.dtype
+        elif func is _TO:
+            captured_args = tuple(_CPU if type(a) is str else a for a in captured_args)
+        made = [t for t in _tensors_in(result) if t is not None]
+        call = Call(
+            func,
+            captured_args,
+            captured_kwargs,
+            reads=tuple(dict.fromkeys(ref.storage for ref in inputs)),
+            writes=tuple(sorted(writes)),
+            creates=tuple(creates),
+            result=captured_result,
+            refused=refused or _subclass_refusal(tensors),
+            default_dtype=_default_dtype_use(fact, kwargs, inputs, made),
+        )
+        if fact.overwrites and inputs:
+            call.target = inputs[0].storage
+            if _covers(inputs[0], self.program.storages):
+                call.covers = call.target
+        drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
+        self._append(call, tensors, draws, drew_real)
+        return result
+
+    def _begin_draws(
+        self,
+        fact: Fact,
+        generators: list[torch.Generator],
+        tensors: list[torch.Tensor],
+        kwargs: dict,
+        keywords: tuple[str, ...] | None = None,
+    ) -> list[tuple[GeneratorTrack | None, Draw]]:
+        """Where eager's generator states are, before a random call runs."""
+        tracks = self._tracks(generators, tensors, kwargs)
+        names = keywords or (("generator",) if fact.generator else ("",)) * len(tracks)
+        grouped: dict[int, tuple[GeneratorTrack | None, str, list[str]]] = {}
+        for (track, unknown), keyword in zip(tracks, names, strict=True):
+            key = id(track) if track is not None else -len(grouped) - 1
+            grouped.setdefault(key, (track, unknown, []))[2].append(keyword)
+        draws: list[tuple[GeneratorTrack | None, Draw]] = []
+        for track, unknown, found in grouped.values():
+            kept = tuple(k for k in found if k)
+            if track is None:
+                draws.append((None, Draw(-1, Start.UNKNOWN, reason=unknown, keywords=kept)))
+                continue
+            draw = before_draw(track, self.program, self._last_draw.get(track.stream))
+            draw.keywords = kept
+            draws.append((track, draw))
+        return draws
+
+    def _append(
+        self,
+        call: Call,
+        tensors: list[torch.Tensor],
+        draws: list[tuple[GeneratorTrack | None, Draw]],
+        drew_real: bool,
+    ) -> None:
+        program = self.program
+        index = len(program.calls)
+        off = any(program.storages[s].off for s in call.reads)
+        for track, draw in draws:
+            if track is None:
+                continue
+            if not drew_real or draw.start is not Start.ANCHOR:
+                # eager's generator is elsewhere now: say where, in the generator itself
+                mark(track, program, index)
+                off = off or drew_real
+            self._last_draw[track.stream] = index
+        call.draws = tuple(draw for _, draw in draws)
+        for storage in (*call.writes, *call.creates):
+            self._epochs[storage] += 1
+            info = program.storages[storage]
+            if off and info.device != "meta":
+                info.off = True
+            if info.outside is not None:
+                info.outside.written = True
+        for tensor in tensors:
+            seen = self._tensors.get(id(tensor))
+            if seen is not None:
+                self._tensors[id(tensor)] = (*seen[:2], _version(tensor), self._epochs[seen[1].storage])
+        program.calls.append(call)
+
+    def _tracks(
+        self, generators: list[torch.Generator], tensors: list[torch.Tensor], kwargs: dict
+    ) -> list[tuple[GeneratorTrack | None, str]]:
+        if not generators:
+            device = kwargs.get("device")
+            device = torch.device(device) if device is not None else (
+                tensors[0].device if tensors else _CPU
+            )
+            if device.type not in ("cpu", "meta"):
+                return [(None, f"it draws from the {device.type} default generator")]
+            generators = [torch.default_generator]
+        tracks: list[tuple[GeneratorTrack | None, str]] = []
+        for generator in generators:
+            if generator.device.type != "cpu":
+                tracks.append((None, f"it draws from a {generator.device.type} generator"))
+                continue
+            track = self._generators.get(id(generator))
+            if track is None:
+                stream = Stream(len(self.program.streams), generator is torch.default_generator)
+                self.program.streams.append(stream)
+                track = self._generators[id(generator)] = GeneratorTrack(generator, stream.index)
+            tracks.append((track, ""))
+        return tracks
+
+    # -- reads that steer the build -----------------------------------------------------
+    def _meta_read(self, tensor: torch.Tensor, frame: FrameType | None) -> None:
+        while frame is not None and frame.f_code.co_name == "__torch_function__":
+            frame = frame.f_back
+        shortcut = meta_shortcut(frame.f_code) if frame is not None else None
+        if shortcut is None or frame is None:
+            where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
+            self.diverge(
+                f"{where} read .is_meta of a {_describe(tensor)} tensor, which eager "
+                f"construction has off meta, so it may have taken another branch"
+            )
+            return
+        values = inspect.getargvalues(frame).locals
+        if values.get(shortcut.parameters[0]) is not tensor:
+            self.diverge(f"{shortcut.function.__qualname__} read .is_meta of another tensor")
+            return
+        tensors: list[torch.Tensor] = []
+        generators: list[torch.Generator] = []
+        kwargs = {name: values[name] for name in shortcut.parameters[1:]}
+        try:
+            captured = self._capture(kwargs, tensors, generators)
+        except CannotCapture as error:
+            self.diverge(str(error))
+            return
+        ref = self.ref(tensor)
+        keywords: tuple[str, ...] = ("generator",)
+        if shortcut.replay is not shortcut.function:  # draws from the default one too
+            captured["default_generator"] = None
+            generators = [*(generators or [torch.default_generator]), torch.default_generator]
+            keywords = ("generator", "default_generator")
+        call = Call(
+            shortcut.replay,
+            (ref,),
+            captured,
+            reads=(ref.storage,),
+            writes=(ref.storage,),
+            creates=(),
+            result=ref,
+            target=ref.storage,
+        )
+        if _covers(ref, self.program.storages):
+            call.covers = ref.storage
+        fact = Fact(shortcut.function.__name__, random=shortcut.random, generator=True)
+        draws = self._begin_draws(fact, generators, [tensor], {}, keywords) if fact.random else []
+        self._append(call, [tensor], draws, False)
+
+    def _value_read(self, func: Any, inputs: list[TensorRef]) -> None:
+        storages = self.program.storages
+        if any(storages[ref.storage].off for ref in inputs) and self.program.diverged is None:
+            self.diverge(
+                f"{_name(func)} read the values of a tensor the build computed from "
+                f"random numbers eager construction draws differently"
+            )
+
+    def diverge(self, why: str) -> None:
+        """Nothing of this program can be replayed: the build left eager's path."""
+        if self.program.diverged is None:
+            self.program.diverged = why
+
+    # -- registrations ------------------------------------------------------------------
+    def registered(
+        self,
+        original: torch.Tensor,
+        placed: torch.Tensor | None,
+        module: Any = None,
+        name: str | None = None,
+    ) -> None:
+        """``original`` was registered on ``module`` as ``name``; ``placed`` is the meta
+        twin the context put there instead (None if it kept ``original``)."""
+        ref = self.ref(original)
+        target = original
+        if placed is not None:
+            target = placed
+            geometry = (tuple(placed.shape), placed.stride(), placed.storage_offset())
+            if geometry == (ref.size, ref.stride, ref.offset) and placed.dtype == ref.dtype:
+                # eager construction keeps one tensor: the twin *is* the original
+                storage = placed.untyped_storage()
+                self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
+                self._tensors[id(placed)] = (
+                    weakref.ref(placed), ref, _version(placed), self._epochs[ref.storage]
+                )
+            else:
+                self._copy(original, placed)
+        self._registered.append((weakref.ref(target), registry.add(target, self.program, module, name)))
+
+    def _copy(self, original: torch.Tensor, placed: torch.Tensor) -> None:
+        source = self.ref(original)
+        index = len(self.program.calls)
+        made = self.ref(placed, creating_call=index)
+        self.program.calls.append(
+            Call(
+                _copy_as,
+                (source, made.size, made.stride),
+                {},
+                reads=(source.storage,),
+                writes=(),
+                creates=(made.storage,),
+                result=made,
+            )
+        )
+
+    # -- the end ------------------------------------------------------------------------
+    def close(self) -> None:
+        """The owning context exited: hand the registered tensors to the registry."""
+        program = self.program
+        for tensor_ref, entry in self._registered:
+            tensor = tensor_ref()
+            if tensor is not None:
+                entry.ref = self.ref(tensor)
+                entry.version = _version(tensor)
+        program.live = {
+            address: (index, keep)
+            for address, (index, keep) in self._storages.items()
+            if not keep.expired()
+        }
+        if program.state is ProgramState.RECORDING:
+            program.state = ProgramState.CLOSED
+        self._tensors = {}
+        self._storages = {}
+        self._registered = []
+        self._generators = {}
+
+    def abandon(self, why: str) -> None:
+        """Nothing recorded here can be materialized."""
+        self.program.state = ProgramState.ABANDONED
+        self.program.abandoned = why
+
+
+def _copy_as(source: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:
+    """A copy of ``source`` with the given geometry (a registered tensor's moved twin)."""
+    return torch.empty_strided(size, stride, dtype=source.dtype).copy_(source)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return -1
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, tuple | list) and any(_holds_tensor(v) for v in value)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def _covers(ref: TensorRef, storages: list[Storage]) -> bool:
+    """Whether ``ref`` is every byte of its storage, each once."""
+    numel = 1
+    for size in ref.size:
+        numel *= size
+    if ref.offset or numel * ref.dtype.itemsize != storages[ref.storage].nbytes:
+        return False
+    expected = 1
+    for size, stride in sorted(zip(ref.size, ref.stride, strict=True), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
+    for tensor in tensors:
+        if not dispatches_plainly(type(tensor)):
+            return f"a {type(tensor).__qualname__} argument has its own __torch_function__"
+    return None
+
+
+def _default_dtype_use(
+    fact: Fact, kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
+) -> torch.dtype | None:
+    """The default dtype, if it decided a result's dtype (an integer input promoted)."""
+    if fact.factory or "dtype" in kwargs or not made:
+        return None
+    default = torch.get_default_dtype()
+    if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
+        return None
+    return default if any(t.dtype == default for t in made) else None
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def _name(func: Callable[..., Any]) -> str:
+    module = getattr(func, "__module__", None) or "torch"
+    return f"{module}.{getattr(func, '__qualname__', func)}"

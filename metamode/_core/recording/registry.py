@@ -1,0 +1,79 @@
+"""Which recorded program each registered tensor comes from. Weak: it keeps no tensor and
+no module alive, only the programs their tensors belong to."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metamode._core.recording.program import Program, TensorRef
+
+__all__ = ["Entry", "add", "entry", "forget", "home"]
+
+
+@dataclass(slots=True)
+class Entry:
+    """A tensor registered in a replayable context: its program, and, once the context
+    exited, its view of the program's storages and its version counter then."""
+
+    program: Program
+    ref: TensorRef | None = None
+    version: int = -1
+
+
+_ENTRIES: dict[int, tuple[weakref.ref, Entry]] = {}
+# module -> {name: entry}: FSDP2's fully_shard puts new DTensor parameters in place of the
+# registered ones; where they sit says what they stand for.
+_HOMES: dict[int, tuple[weakref.ref, dict[str, Entry]]] = {}
+_LOCK = threading.RLock()  # a weak-reference callback may run while it is held
+
+
+def add(tensor: torch.Tensor, program: Program, module: Any = None, name: str | None = None) -> Entry:
+    """Note that ``tensor`` was registered while ``program`` recorded."""
+    found = Entry(program)
+    key = id(tensor)
+    ref = weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r))
+    with _LOCK:
+        _ENTRIES[key] = (ref, found)
+        if module is not None and name is not None:
+            home_key = id(module)
+            homes = _HOMES.get(home_key)
+            if homes is None or homes[0]() is not module:
+                module_ref = weakref.ref(module, lambda r: _drop(_HOMES, home_key, r))
+                homes = _HOMES[home_key] = (module_ref, {})
+            homes[1][name] = found
+    return found
+
+
+def _drop(table: dict, key: int, ref: weakref.ref) -> None:
+    with _LOCK:
+        held = table.get(key)
+        if held is not None and held[0] is ref:
+            del table[key]
+
+
+def entry(tensor: torch.Tensor) -> Entry | None:
+    with _LOCK:
+        held = _ENTRIES.get(id(tensor))
+    return held[1] if held is not None and held[0]() is tensor else None
+
+
+def home(module: Any, name: str) -> Entry | None:
+    """The entry of the tensor registered as ``module.<name>``."""
+    with _LOCK:
+        held = _HOMES.get(id(module))
+    if held is None or held[0]() is not module:
+        return None
+    return held[1].get(name)
+
+
+def forget(tensor: torch.Tensor) -> None:
+    """``tensor`` was materialized: it stands for no recording any more."""
+    with _LOCK:
+        held = _ENTRIES.get(id(tensor))
+        if held is not None and held[0]() is tensor:
+            del _ENTRIES[id(tensor)]
