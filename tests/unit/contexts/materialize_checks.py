@@ -76,6 +76,7 @@ def assert_same_tensors(model: nn.Module, ref: nn.Module, names: list[str] | Non
             "device": actual.device == expected.device,
             "shape": actual.shape == expected.shape,
             "requires_grad": actual.requires_grad == expected.requires_grad,
+            "inference tensor": actual.is_inference() == expected.is_inference(),
         }
         if checks["shape"] and checks[f"dtype {actual.dtype} != {expected.dtype}"]:
             checks["values differ from eager"] = torch.equal(actual, expected)
@@ -84,7 +85,7 @@ def assert_same_tensors(model: nn.Module, ref: nn.Module, names: list[str] | Non
         )
         problems += [f"{name}: {what}" for what, ok in checks.items() if not ok]
     assert not problems, "; ".join(problems)
-    assert ties(model) == ties(ref)
+    assert ties(model) == ties(ref), f"ties {ties(model)} != eager {ties(ref)}"
     if names is None:
         assert shared_storage(model) == shared_storage(ref), "storage sharing differs from eager"
 

@@ -10,6 +10,8 @@ counters, so they are not tested here.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -217,3 +219,14 @@ def test_a_meta_forward_in_eval_mode_after_the_block_changes_nothing():
     model = build_empty(_net, include_buffers=True).eval()
     model(torch.ones(2, 4, device="meta"))
     materialize_exactly(model.train(), ref)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_deepcopy_after_the_block_is_exact_or_refused_and_the_original_stays_exact(
+    include_buffers,
+):
+    ref = build_eagerly(_net)
+    model = build_empty(_net, include_buffers)
+    copied = copy.deepcopy(model)
+    assert_exact_or_refused(copied, ref, "0.weight")
+    materialize_exactly(model, ref)

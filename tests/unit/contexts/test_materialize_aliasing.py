@@ -16,6 +16,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_eager_equal,
     assert_exact_or_refused,
     assert_refused,
+    assert_same_tensors,
     build_eagerly,
     build_empty,
     materialize_exactly,
@@ -262,3 +263,24 @@ class DetachedThenRandom(nn.Module):
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_an_alias_taken_before_a_random_fill_writes_after_it(include_buffers):
     assert_eager_equal(DetachedThenRandom, include_buffers)
+
+
+class SharedBuffer(nn.Module):
+    """One buffer tensor registered on two modules (a shared table, position ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = torch.arange(6.0).reshape(2, 3)
+        self.left, self.right = nn.Module(), nn.Module()
+        self.left.register_buffer("table", table)
+        self.right.register_buffer("table", table)
+        self.right.lin = nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_buffer_shared_by_two_modules_materialized_one_at_a_time(include_buffers):
+    ref = build_eagerly(SharedBuffer)
+    model = build_empty(SharedBuffer, include_buffers)
+    materialize_exactly(model.left)
+    materialize_exactly(model.right)
+    assert_same_tensors(model, ref)

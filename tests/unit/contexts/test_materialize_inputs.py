@@ -26,54 +26,83 @@ from tests.unit.contexts.materialize_checks import (
 )
 
 
+def _tensor_ndarray(data: np.ndarray) -> torch.Tensor:
+    return torch.tensor(data)
+
+
+def _tensor_list(data: list) -> torch.Tensor:
+    return torch.tensor(data)
+
+
+def _as_tensor_list(data: list) -> torch.Tensor:
+    return torch.as_tensor(data)
+
+
+def _index_ndarray(data: np.ndarray) -> torch.Tensor:
+    filled = torch.zeros(6)
+    filled[data] = 1.0
+    return filled
+
+
+def _row_from_ndarray(data: np.ndarray) -> torch.Tensor:
+    rows = torch.zeros(2, 3)
+    rows[0] = torch.tensor(data)
+    return rows
+
+
+def _bump_ndarray(data: np.ndarray) -> None:
+    data += 1
+
+
+def _bump_first(data: list) -> None:
+    data[0] = -1.0
+
+
+def _bump_nested(data: list) -> None:
+    data[1][0] = -3
+
+
+def _grow(data: list) -> None:
+    data[0] = -4.0
+    data.append(6.0)
+
+
+def _move_index(data: np.ndarray) -> None:
+    data[:] = [1, 2]
+
+
+READ_DATA = {
+    "tensor(ndarray)": (
+        _tensor_ndarray,
+        lambda: np.linspace(0, 1, 5, dtype=np.float32),
+        _bump_ndarray,
+    ),
+    "tensor(list)": (_tensor_list, lambda: [0.5, 1.5, 2.5], _bump_first),
+    "tensor(nested_list)": (_tensor_list, lambda: [[1, 2], [3, 4]], _bump_nested),
+    "as_tensor(list)": (_as_tensor_list, lambda: [4.0, 5.0], _grow),
+    "tensor(array.array)": (_tensor_list, lambda: array.array("f", [7.0, 8.0]), _bump_first),
+    "index_with_ndarray": (_index_ndarray, lambda: np.array([0, 3]), _move_index),
+    "row=tensor(ndarray)": (_row_from_ndarray, lambda: np.ones(3, dtype=np.float32), _bump_ndarray),
+}
+
+
 class FromData(nn.Module):
-    def __init__(self, data: dict) -> None:
+    def __init__(self, read, data) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
-        self.register_buffer("from_ndarray", torch.tensor(data["ndarray"]))
-        self.register_buffer("from_list", torch.tensor(data["list"]))
-        self.register_buffer("from_nested", torch.tensor(data["nested"]))
-        self.register_buffer("as_tensor_list", torch.as_tensor(data["as_tensor_list"]))
-        self.register_buffer("from_array_module", torch.tensor(data["array.array"]))
-        self.weight = nn.Parameter(torch.tensor(data["param_ndarray"]))
-        self.indexed = nn.Parameter(torch.zeros(6))
-        with torch.no_grad():
-            self.indexed[data["index_ndarray"]] = 1.0
-            self.lin.weight[0] = torch.tensor(data["row"])
+        self.register_buffer("buffer", read(data))
+        self.param = nn.Parameter(read(data).float())
         self.after = nn.Linear(3, 3)
 
 
-def _data() -> dict:
-    return {
-        "ndarray": np.linspace(0.0, 1.0, 5, dtype=np.float32),
-        "list": [0.5, 1.5, 2.5],
-        "nested": [[1, 2], [3, 4]],
-        "as_tensor_list": [4.0, 5.0],
-        "array.array": array.array("f", [7.0, 8.0]),
-        "param_ndarray": np.ones((2, 2), dtype=np.float32),
-        "index_ndarray": np.array([0, 3]),
-        "row": np.array([9.0, 8.0, 7.0], dtype=np.float32),
-    }
-
-
-def _mutate(data: dict) -> None:
-    data["ndarray"] += 1
-    data["list"][0] = -1.0
-    data["nested"][1][0] = -3
-    data["as_tensor_list"].append(6.0)
-    data["as_tensor_list"][0] = -4.0
-    data["array.array"][0] = -7.0
-    data["param_ndarray"][0, 0] = -1.0
-    data["index_ndarray"][:] = [1, 2]
-    data["row"][:] = 0.0
-
-
 @pytest.mark.parametrize("include_buffers", MODES)
-def test_data_changed_after_the_block_does_not_change_the_values(include_buffers):
-    data = _data()
-    ref = copy.deepcopy(build_eagerly(lambda: FromData(data)))
-    model = build_empty(lambda: FromData(data), include_buffers)
-    _mutate(data)
+@pytest.mark.parametrize("source", sorted(READ_DATA))
+def test_data_changed_after_the_block_does_not_change_the_values(source, include_buffers):
+    read, make, change = READ_DATA[source]
+    data = make()
+    ref = copy.deepcopy(build_eagerly(lambda: FromData(read, data)))
+    model = build_empty(lambda: FromData(read, data), include_buffers)
+    change(data)
     materialize_exactly(model, ref)
 
 
@@ -150,3 +179,14 @@ def test_materialize_inside_a_device_context_is_exact_or_refused(include_buffers
     model = build_empty(lambda: Promoted(PROMOTIONS["arange/8"]), include_buffers)
     with torch.device("meta"):
         assert_exact_or_refused(model, ref, "promoted")
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialize_under_inference_mode_gives_ordinary_trainable_tensors(include_buffers):
+    ref = build_eagerly(lambda: Promoted(PROMOTIONS["ones()"]))
+    model = build_empty(lambda: Promoted(PROMOTIONS["ones()"]), include_buffers)
+    with torch.inference_mode():
+        assert_exact_or_refused(model, ref, "lin.weight")
+    if not any(t.is_meta for t in model.parameters()):
+        with torch.no_grad():
+            model.lin.weight.add_(1.0)  # what an optimizer step does
