@@ -1,0 +1,202 @@
+"""The two outcomes a sound ``metamode.materialize`` allows, as assertions.
+
+*Exact*: every tensor gets what eager construction under the same seed gives it, bitwise
+(values, dtype, class, device, ``requires_grad``, strides, ties by object and by storage),
+and the default generator is left as it was. *Refused before anything changed*:
+``NotMaterializableError`` names each refused tensor and why, while every tensor is still the
+same object on the same device with the same data and the default generator is untouched.
+Either way ``is_materializable`` says so first. Public API only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import metamode
+
+MODES = [False, True]
+
+
+def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by qualified name, tied ones under each of their names."""
+    found = dict(module.named_parameters(remove_duplicate=False))
+    found.update(module.named_buffers(remove_duplicate=False))
+    return found
+
+
+def _groups(found: dict[str, torch.Tensor], key: Callable[[torch.Tensor], object]) -> list:
+    groups: dict[object, list[str]] = {}
+    for name, tensor in found.items():
+        groups.setdefault(key(tensor), []).append(name)
+    return sorted(sorted(group) for group in groups.values() if len(group) > 1)
+
+
+def ties(module: nn.Module) -> list[list[str]]:
+    """Names that are one tensor object."""
+    return _groups(tensors(module), id)
+
+
+def shared_storage(module: nn.Module) -> list[list[str]]:
+    """Names of real, non-empty tensors that live in one storage (views, ``.data`` aliases)."""
+    real = {n: t for n, t in tensors(module).items() if not t.is_meta and t.numel() > 0}
+    return _groups(real, lambda t: t.untyped_storage().data_ptr())
+
+
+def build_eagerly(build: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build()
+
+
+def build_empty(
+    build: Callable[[], nn.Module], include_buffers: bool = False, seed: int = 0
+) -> nn.Module:
+    torch.manual_seed(seed)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        return build()
+
+
+def assert_same_tensors(model: nn.Module, ref: nn.Module, names: list[str] | None = None) -> None:
+    """``model``'s tensors are ``ref``'s, bitwise, with the same ties (all names, or ``names``)."""
+    got, want = tensors(model), tensors(ref)
+    assert got.keys() == want.keys()
+    problems = []
+    for name in want if names is None else names:
+        actual, expected = got[name], want[name]
+        if actual.is_meta:
+            problems.append(f"{name} is still on meta")
+            continue
+        checks = {
+            "class": type(actual) is type(expected),
+            f"dtype {actual.dtype} != {expected.dtype}": actual.dtype == expected.dtype,
+            "device": actual.device == expected.device,
+            "shape": actual.shape == expected.shape,
+            "requires_grad": actual.requires_grad == expected.requires_grad,
+            "inference tensor": actual.is_inference() == expected.is_inference(),
+        }
+        if checks["shape"] and checks[f"dtype {actual.dtype} != {expected.dtype}"]:
+            checks["values differ from eager"] = torch.equal(actual, expected)
+        checks[f"strides {actual.stride()} != {expected.stride()}"] = (
+            actual.stride() == expected.stride()
+        )
+        problems += [f"{name}: {what}" for what, ok in checks.items() if not ok]
+    assert not problems, "; ".join(problems)
+    assert ties(model) == ties(ref), f"ties {ties(model)} != eager {ties(ref)}"
+    if names is None:
+        assert shared_storage(model) == shared_storage(ref), "storage sharing differs from eager"
+
+
+def materialize_exactly(model: nn.Module, ref: nn.Module | None = None, **kwargs) -> nn.Module:
+    """``is_materializable`` says yes, ``materialize`` keeps every parameter object and the
+    default generator, and (given ``ref``) every tensor equals ``ref``'s."""
+    assert metamode.is_materializable(model), "is_materializable refuses an exact build"
+    for name, tensor in tensors(model).items():
+        if tensor.is_meta:
+            assert metamode.is_materializable(tensor), f"is_materializable({name}) says no"
+    params = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    modules = [id(m) for m in model.modules()]
+    state = torch.default_generator.get_state()
+    assert metamode.materialize(model, **kwargs) is model
+    generator = (
+        ""
+        if torch.equal(torch.default_generator.get_state(), state)
+        else ("materialize changed the default generator")
+    )
+    if ref is not None:
+        try:
+            assert_same_tensors(model, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; {generator}" if generator else error) from None
+    assert not generator, generator
+    assert {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)} == params
+    assert [id(m) for m in model.modules()] == modules
+    return model
+
+
+def assert_eager_equal(
+    build: Callable[[], nn.Module], include_buffers: bool = False, seed: int = 0
+) -> nn.Module:
+    """Seed, build eagerly; seed, build replayable, materialize: equal, bitwise."""
+    ref = build_eagerly(build, seed)
+    model = build_empty(build, include_buffers, seed)
+    assert any(t.is_meta for t in tensors(model).values()), "nothing was built on meta"
+    return materialize_exactly(model, ref)
+
+
+class Unchanged:
+    """What a refusal must leave as it was: every slot's tensor object, its device, a real
+    tensor's data, and the default generator's state."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots = self._slots(module)
+        self.data = {
+            key: tensor.detach().clone() for key, tensor in self.slots.items() if not tensor.is_meta
+        }
+        self.devices = {key: tensor.device for key, tensor in self.slots.items()}
+        self.state = torch.default_generator.get_state()
+
+    @staticmethod
+    def _slots(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+        slots = {}
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        slots[(prefix, name)] = tensor
+        return slots
+
+    def check(self) -> None:
+        now = self._slots(self.module)
+        assert now.keys() == self.slots.keys()
+        for key, tensor in self.slots.items():
+            where = ".".join(filter(None, key))
+            assert now[key] is tensor, f"{where} was replaced"
+            assert tensor.device == self.devices[key], f"{where} moved to {tensor.device}"
+            if key in self.data:
+                assert torch.equal(tensor, self.data[key]), f"{where}: real data changed"
+        assert torch.equal(torch.default_generator.get_state(), self.state), (
+            "a refused materialize changed the default generator"
+        )
+
+
+def named(message: str, name: str) -> bool:
+    """``name`` (a qualified tensor name) appears in ``message`` as a whole name."""
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", message) is not None
+
+
+def assert_refused(model: nn.Module, *names: str, because: str | None = None, **kwargs) -> str:
+    """``is_materializable`` says no and ``materialize`` raises ``NotMaterializableError``
+    naming each of ``names`` (and matching ``because``), having changed nothing."""
+    before = Unchanged(model)
+    assert not metamode.is_materializable(model), "is_materializable accepts a refused build"
+    found = tensors(model)
+    for name in names:
+        assert not metamode.is_materializable(found[name]), f"is_materializable({name}) says yes"
+    with pytest.raises(metamode.NotMaterializableError) as refusal:
+        metamode.materialize(model, **kwargs)
+    before.check()
+    message = str(refusal.value)
+    for name in names:
+        assert named(message, name), f"the refusal does not name {name!r}:\n{message}"
+    if because is not None:
+        assert re.search(because, message, re.IGNORECASE), (
+            f"the refusal does not say {because!r}:\n{message}"
+        )
+    return message
+
+
+def assert_exact_or_refused(
+    model: nn.Module, ref: nn.Module, *names: str, because: str | None = None
+) -> str:
+    """Whichever ``is_materializable`` announces, and nothing in between: exact against
+    ``ref``, or refused upfront naming ``names``. Returns ``"exact"`` or ``"refused"``."""
+    if metamode.is_materializable(model):
+        materialize_exactly(model, ref)
+        return "exact"
+    assert_refused(model, *names, because=because)
+    return "refused"

@@ -1,0 +1,156 @@
+"""materialize and code that asks whether a tensor is on meta and does something else there.
+
+The build took a branch eager construction does not take, so what the replay would compute is
+not what eager computes: the tensors are refused, naming the read -- never silently
+different. torch's own init functions that return early on meta (``trunc_normal_``,
+``orthogonal_``, ``sparse_``, ``dirac_``) are exact, and reading a meta tensor's device to put
+a new tensor beside it changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.unit.contexts.materialize_checks import (
+    MODES,
+    assert_eager_equal,
+    assert_refused,
+    build_empty,
+    named,
+)
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.is_meta
+
+
+def _device_type(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def _device_equal(t: torch.Tensor) -> bool:
+    return t.device == torch.device("meta")
+
+
+def _device_str(t: torch.Tensor) -> bool:
+    return str(t.device) == "meta"
+
+
+READS = {
+    "is_meta": (_is_meta, "is_meta"),
+    "device.type": (_device_type, "device"),
+    "device==meta": (_device_equal, "device"),
+    "str(device)": (_device_str, "device"),
+}
+
+
+class SkipsItsInitOnMeta(nn.Module):
+    """A layer that leaves its weight to a checkpoint when built on meta."""
+
+    def __init__(self, on_meta) -> None:
+        super().__init__()
+        self.on_meta = on_meta
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.on_meta(self.weight):
+            return
+        nn.init.normal_(self.weight)
+
+
+class InitsOnlyWhenReal(nn.Module):
+    """accelerate-style: ``if not any(p.is_meta ...)`` around a custom init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        if not any(p.is_meta for p in self.parameters()):
+            with torch.no_grad():
+                self.proj.weight.mul_(0.1)
+                self.proj.bias.zero_()
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_branch_on_meta_refuses_naming_the_read(read, include_buffers):
+    on_meta, word = READS[read]
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), SkipsItsInitOnMeta(on_meta))
+
+    model = build_empty(build, include_buffers)
+    message = assert_refused(model, "1.weight", because=word)
+    assert not named(message, "0.weight")
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_an_init_guarded_by_any_is_meta_refuses_naming_the_read(include_buffers):
+    model = build_empty(InitsOnlyWhenReal, include_buffers)
+    assert_refused(model, "proj.weight", "proj.bias", because="is_meta")
+
+
+def _torch_inits() -> nn.Module:
+    class Inits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            gen = torch.Generator().manual_seed(4)
+            self.trunc = nn.Parameter(torch.empty(5, 4))
+            nn.init.trunc_normal_(self.trunc, mean=0.5, std=2.0, a=-1.0, b=2.0)
+            self.trunc_gen = nn.Parameter(torch.empty(6))
+            nn.init.trunc_normal_(self.trunc_gen, std=0.02, generator=gen)
+            self.tall = nn.Parameter(torch.empty(6, 3))
+            nn.init.orthogonal_(self.tall, gain=2.0)
+            self.wide = nn.Parameter(torch.empty(3, 6))
+            nn.init.orthogonal_(self.wide)
+            self.cube = nn.Parameter(torch.empty(4, 2, 3))
+            nn.init.orthogonal_(self.cube, generator=gen)
+            self.sparse = nn.Parameter(torch.empty(6, 4))
+            nn.init.sparse_(self.sparse, sparsity=0.3, std=0.5)
+            self.conv = nn.Conv2d(4, 4, 3, groups=2)
+            nn.init.dirac_(self.conv.weight, groups=2)
+            with torch.no_grad():
+                nn.init.trunc_normal_(self.conv.bias)
+            self.after = nn.Linear(3, 3)
+
+    return Inits()
+
+
+def _applied(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.orthogonal_(module.weight)
+        nn.init.trunc_normal_(module.bias, std=0.1)
+    elif isinstance(module, nn.Conv1d):
+        nn.init.dirac_(module.weight)
+
+
+def _applied_inits() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 6), nn.Conv1d(3, 3, 3), nn.Linear(6, 2))
+    model.apply(_applied)
+    return model
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("build", [_torch_inits, _applied_inits], ids=["direct", "apply"])
+def test_torch_inits_that_return_early_on_meta_are_exact(build, include_buffers):
+    assert_eager_equal(build, include_buffers)
+
+
+class PlacesBesideItsWeight(nn.Module):
+    """Reads a meta tensor's device and dtype to make new tensors beside it: no branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        w = self.lin.weight
+        self.register_buffer("eye", torch.eye(4, device=w.device, dtype=w.dtype))
+        self.scale = nn.Parameter(torch.ones(4, device=w.device) * w.shape[0])
+        self.register_buffer("noise", torch.randn(4, device=w.device))
+        self.after = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_reading_a_meta_tensors_device_to_place_new_tensors_is_exact(include_buffers):
+    assert_eager_equal(PlacesBesideItsWeight, include_buffers)
