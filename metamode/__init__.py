@@ -92,9 +92,15 @@ if _typing.TYPE_CHECKING:
     )
 
 
+# Names whose use needs the integrations' knowledge of their libraries (materialize).
+_NEEDS_INTEGRATIONS = frozenset(["materialize", "is_materializable", "summary", "empty_weights"])
+
+
 def __getattr__(name: str) -> object:
     if name in _EXPORTS:
         value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+        if name in _NEEDS_INTEGRATIONS:
+            _importlib.import_module("metamode.integrations._registry").load()
     elif name in _SUBMODULES:
         value = _importlib.import_module(f"metamode.{name}")
     else:

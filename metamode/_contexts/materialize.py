@@ -24,6 +24,14 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
+# program -> {storage index: a tensor materialize installed there}: a later materialize
+# of another tensor of that storage shares it, as eager construction's tensors do
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, weakref.ref]] = (
+    weakref.WeakKeyDictionary()
+)
+# meta buffer -> the buffer materialize put in its place (a module outside the one
+# materialized may still hold the meta one: a later materialize puts the same one there)
+_REPLACED = torch.utils.weak.WeakIdKeyDictionary()
 
 
 class NotMaterializableError(RuntimeError):
@@ -54,6 +62,7 @@ class _Slot:
     entry: Entry | None = None
     reason: str | None = None  # why it is refused
     wanted: bool = False
+    shares: torch.Tensor | None = None  # an earlier materialize's tensor in its storage
 
     @property
     def key(self) -> Key:
@@ -153,6 +162,9 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
                     "moved with .to('meta'), or assigned after the context?)"
                 )
             continue
+        if entry.program.abandoned:
+            slot.reason = entry.program.abandoned
+            continue
         if entry.ref is None:
             slot.reason = (
                 f"its empty_weights context (thread {entry.program.owner!r}) is still open; "
@@ -164,15 +176,17 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         if real and not storage.off and entry.program.diverged is None:
             continue  # the build computed exactly eager's value: keep it
         slot.reason = _changed(slot)
-        if slot.reason is None and not _is_dtensor(tensor):
-            slot.reason = _swap_refusal(slot)
         slot.wanted = slot.reason is None
     for check in _DIVERGENCE_CHECKS:
         for tensor, reason in check(module):
             for slot in slots:
                 if slot.tensor is tensor and slot.entry is not None and slot.reason is None:
                     slot.reason, slot.wanted = reason, False
-    wanted = [s for s in slots if s.wanted]
+    for slot in slots:
+        if slot.wanted:
+            earlier = _INSTALLED.get(slot.entry.program, {}).get(slot.entry.ref.storage)  # type: ignore[union-attr]
+            slot.shares = earlier() if earlier is not None else None
+    wanted = [s for s in slots if s.wanted and s.shares is None]
     if not wanted:
         return slots, None
     plan = recording.plan(
@@ -188,21 +202,6 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
             dict.fromkeys((s.entry.program, s.entry.ref.storage) for s in remaining)  # type: ignore[union-attr]
         ) if remaining else None
     return slots, plan
-
-
-def _swap_refusal(slot: _Slot) -> str | None:
-    """Why the parameter cannot be replaced in place (``torch.utils.swap_tensors``)."""
-    tensor = slot.tensor
-    if slot.kind != "parameter" or weakref.getweakrefs(tensor):
-        return None  # buffers are replaced in their modules; weakly held ones too
-    uses = _torch.use_count(tensor)
-    if uses > 2 or (uses == 2 and not (tensor.is_leaf and tensor.requires_grad)):
-        return (
-            "an autograd graph holds it (a tensor was computed from it with grad enabled, "
-            "as nn.utils.weight_norm does), so it cannot be replaced in place; compute "
-            "such tensors under torch.no_grad() or after materialize"
-        )
-    return None
 
 
 def _refusal_message(module: nn.Module, refused: list[_Slot]) -> str:
@@ -231,7 +230,8 @@ def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
     eager values: the same checks, nothing allocated."""
     if isinstance(obj, torch.Tensor):
         holder = nn.Module()
-        holder._parameters["tensor"] = obj  # type: ignore[assignment]
+        table = holder._parameters if isinstance(obj, nn.Parameter) else holder._buffers
+        table["tensor"] = obj  # type: ignore[assignment]
         return is_materializable(holder)
     slots, _ = _survey(obj)
     return all(slot.reason is None for slot in slots)
@@ -295,13 +295,23 @@ def materialize(
             for slot in refused:
                 if slot.tensor.is_meta:
                     install.empty(slot)
+            for slot in slots:
+                if slot.shares is not None and slot.wanted:
+                    replaced = _REPLACED.get(slot.tensor)
+                    if replaced is not None and slot.kind == "buffer":
+                        install.buffer(slot, replaced)
+                    else:
+                        install.storage([slot], slot.shares.untyped_storage(), {})
             if plan is not None:
                 by_key: dict[Key, list[_Slot]] = {}
                 for slot in slots:
                     if slot.wanted:
                         by_key.setdefault(slot.key, []).append(slot)
                 recording.execute(
-                    plan, lambda key, storage: install.storage(by_key.get(key, ()), storage)
+                    plan,
+                    lambda key, storage, relaid: install.storage(
+                        by_key.get(key, ()), storage, relaid
+                    ),
                 )
             install.finish()
     except BaseException:
@@ -319,36 +329,55 @@ class _Installer:
         self._undo: list[Callable[[], None]] = []
         self._sharded: set[int] = set()
 
-    def storage(self, slots: Any, storage: torch.UntypedStorage) -> None:
+    def storage(
+        self, slots: Any, storage: torch.UntypedStorage, relaid: dict[TensorRef, torch.Tensor]
+    ) -> None:
         if not slots:
             return
-        if self.device != _CPU:
+        if self.device != _CPU and storage.device != self.device:
             whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
             storage = whole.to(self.device).untyped_storage()
         for slot in slots:
             ref = slot.entry.ref
-            value = torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-                storage, ref.offset, ref.size, ref.stride
-            )
-            self._put(slot, value)
+            value = relaid.get(ref)
+            if value is not None:  # eager's layout of this very result
+                value = value.to(self.device)
+            else:
+                value = torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+                    storage, ref.offset, ref.size, ref.stride
+                )
+            installed = self._put(slot, value)
+            shared = _INSTALLED.setdefault(slot.entry.program, {})
+            shared[ref.storage] = weakref.ref(installed)
+            self._undo.append(lambda t=shared, k=ref.storage: t.pop(k, None))
+
+    def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:
+        """Put ``new`` where ``slot``'s buffer sits. A module outside the one materialized
+        may hold it too: a later materialize puts ``new`` there as well."""
+        for home, name in slot.homes:
+            old = home._buffers[name]
+            home._buffers[name] = new
+            self._undo.append(lambda h=home, n=name, o=old: h._buffers.__setitem__(n, o))
+        _REPLACED[slot.tensor] = new
+        self._undo.append(lambda t=slot.tensor: _REPLACED.pop(t, None))
+        return new
 
     def empty(self, slot: _Slot) -> None:
         self._put(slot, torch.empty_like(slot.tensor, device=self.device))
 
-    def _put(self, slot: _Slot, value: torch.Tensor) -> None:
+    def _put(self, slot: _Slot, value: torch.Tensor) -> torch.Tensor:
+        """Install ``value`` for ``slot``; returns the tensor that now holds it."""
         tensor = slot.tensor
-        recording.forget(tensor)
+        if slot.kind == "parameter":
+            recording.forget(tensor)  # swap_tensors refuses a weakly referenced tensor
         if _is_dtensor(tensor):
             value = _local_shard(tensor, value)
             self._sharded.add(id(tensor))
-        if slot.kind == "buffer":
-            if value.is_floating_point() or value.is_complex():
-                value.requires_grad_(tensor.requires_grad)
-            for home, name in slot.homes:
-                old = home._buffers[name]
-                home._buffers[name] = value
-                self._undo.append(lambda h=home, n=name, o=old: h._buffers.__setitem__(n, o))
-            return
+        if slot.kind == "buffer" and not _is_dtensor(tensor):
+            new_buffer = value.detach()
+            if new_buffer.is_floating_point() or new_buffer.is_complex():
+                new_buffer.requires_grad_(tensor.requires_grad)
+            return self.buffer(slot, new_buffer)
         if _is_dtensor(tensor):
             new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
         else:
@@ -357,18 +386,19 @@ class _Installer:
         rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
         for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
             rnn._flat_weight_refs = []
-        if not weakref.getweakrefs(tensor):
-            torch.utils.swap_tensors(tensor, new)  # same object: ties and optimizers keep it
+        if _swap(tensor, new):  # the same object: ties and optimizers keep it
             self._undo.append(lambda t=tensor, n=new: torch.utils.swap_tensors(t, n))
+            new = tensor
         else:
-            # something holds a weak reference to it, which swap_tensors refuses: put the
-            # new parameter in every place the old one was
+            # a weak reference, a view or an autograd graph holds it, so swap_tensors
+            # cannot replace it in place: the new parameter goes everywhere the old one was
             for home, name in slot.homes:
                 old = home._parameters[name]
                 home._parameters[name] = new  # type: ignore[assignment]
                 self._undo.append(lambda h=home, n=name, o=old: h._parameters.__setitem__(n, o))
         for rnn in rnns:
             rnn._init_flat_weights()
+        return new
 
     def finish(self) -> None:
         if self._sharded:
@@ -378,6 +408,17 @@ class _Installer:
         for step in reversed(self._undo):
             step()
         self._undo = []
+
+
+def _swap(tensor: torch.Tensor, new: torch.Tensor) -> bool:
+    """``torch.utils.swap_tensors(tensor, new)`` where torch allows it (it checks first)."""
+    if weakref.getweakrefs(tensor) or _torch.use_count(tensor) > 2:
+        return False
+    try:
+        torch.utils.swap_tensors(tensor, new)
+    except RuntimeError:  # a second holder swap_tensors found: nothing was swapped
+        return False
+    return True
 
 
 def _local_shard(tensor: Any, value: torch.Tensor) -> torch.Tensor:

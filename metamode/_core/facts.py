@@ -33,6 +33,7 @@ __all__ = [
     "MetaShortcut",
     "fact_of",
     "meta_shortcut",
+    "stand_in_for",
 ]
 
 # -- written out: torch states no such facts -------------------------------------------
@@ -210,6 +211,23 @@ def _python_fact(func: FunctionType, name: str) -> Fact:
         overwrites=init and name in INIT_FUNCTION_NAMES,
         init=init,
     )
+
+
+# torch's own torch.nn.init functions, as torch defined them (libraries rebind the names)
+_TORCH_INIT_FUNCTIONS = {
+    name: function
+    for name, function in _INIT.items()
+    if type(function) is FunctionType and function.__globals__ is _INIT
+}
+
+
+def stand_in_for(func: Any) -> Callable[..., Any] | None:
+    """torch's ``torch.nn.init`` function that ``func`` stands in for right now (a
+    library's function bound in ``torch.nn.init`` under its name), or None."""
+    if type(func) is not FunctionType or func.__globals__ is _INIT:
+        return None
+    original = _TORCH_INIT_FUNCTIONS.get(func.__name__)
+    return original if original is not None and _INIT.get(func.__name__) is func else None
 
 
 def _is_tensor_method(func: Any) -> bool:

@@ -54,13 +54,19 @@ class EnableResult(dict[str, tuple[str, ...]]):
         return f"EnableResult({dict(self)!r}, left_alone={self.left_alone!r})"
 
 
-def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
-    """(library, enable, disable, is_enabled) for every shim, each after those it names."""
+def load() -> None:
+    """Import every integration module (each registers its shim and its library knowledge;
+    none imports its library)."""
     import metamode.integrations as package
 
     for module in pkgutil.iter_modules(package.__path__):
         if not module.name.startswith("_"):
             importlib.import_module(f"{package.__name__}.{module.name}")
+
+
+def _integrations() -> list[tuple[str, Callable[[], tuple[str, ...]], Callable, Callable]]:
+    """(library, enable, disable, is_enabled) for every shim, each after those it names."""
+    load()
     ordered: list[Integration] = []
 
     def place(integration: Integration) -> None:

@@ -5,11 +5,14 @@ contexts (README, "How it works"; why a toggle is safe: docs/design.md, "Shims")
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from metamode._contexts.empty_weights import empty_weights, skip_empty_weights
+from metamode._contexts.materialize import register_divergence_check
 from metamode._core.modes import EmptyWeights, SkipEmptyWeights
 from metamode.integrations._rebind import _LOCK, SHARED, Rebinding
 from metamode.integrations._registry import Integration, register
@@ -135,3 +138,34 @@ def peft_enabled() -> bool:
 
 
 register(Integration("peft", enable_for_peft, disable_for_peft, peft_enabled))
+
+
+def _meta_branches(module: torch.nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
+    """Adapter tensors whose PEFT init does something else when its tensors are on meta
+    (a branch on ``tensor.device``, which the recording cannot see)."""
+    variants = sys.modules.get("peft.tuners.lora.variants")
+    branching = tuple(
+        kind
+        for name in ("MiCALinearVariant", "MiCAEmbeddingVariant", "MontecloraLinearVariant")
+        if (kind := getattr(variants, name, None)) is not None
+    )
+    if not branching:
+        return
+    for layer in module.modules():
+        for adapter, variant in (getattr(layer, "lora_variant", None) or {}).items():
+            if isinstance(variant, branching):
+                reason = (
+                    f"PEFT's {type(variant).__name__} initialises adapter {adapter!r} "
+                    f"differently when it is on meta (low_cpu_mem_usage=True), so its "
+                    f"values cannot be replayed; create it with low_cpu_mem_usage=False"
+                )
+                for table in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+                    part = getattr(layer, table, None)
+                    if part is not None and adapter in part:
+                        entry = part[adapter]
+                        tensors = entry.parameters() if isinstance(entry, torch.nn.Module) else [entry]
+                        for tensor in tensors:
+                            yield tensor, reason
+
+
+register_divergence_check(_meta_branches)

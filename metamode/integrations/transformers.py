@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
+from metamode._contexts.empty_weights import skip_empty_weights
+from metamode._contexts.materialize import register_divergence_check
 from metamode._core import stack as _stack
-from metamode._core.modes import EmptyWeights, KeepRegistered, ThreadScopedMode
+from metamode._core.modes import (
+    EmptyWeights,
+    KeepRegistered,
+    ThreadScopedMode,
+    active_empty_weights,
+)
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
 from metamode.integrations._registry import Integration, register
@@ -173,8 +181,33 @@ _TRANSFORMERS_4 = Rebinding(
 )
 
 
-# transformers 5: each is enabled when its name exists in transformers.initialization.
-_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES)
+_PROBE = "get_torch_context_manager_or_global_device"
+_PROBE_ORIGINAL = "transformers: device probe"  # SHARED key: transformers' own function
+
+
+def get_torch_context_manager_or_global_device() -> torch.device | None:
+    """metamode's replacement for ``transformers.modeling_utils.``
+    ``get_torch_context_manager_or_global_device``: transformers' answer, except in a
+    replayable ``empty_weights(include_buffers=True)`` context, where it is the answer
+    eager construction gets (no meta device), so the build runs transformers' weight
+    initialisation as eager construction does and ``materialize`` can replay it."""
+    original = SHARED[_PROBE_ORIGINAL]
+    context = active_empty_weights()
+    if context is not None and context.replayable and context.include_buffers:
+        with skip_empty_weights():
+            return original()
+    return original()
+
+
+_TRANSFORMERS_PROBE = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    replacements={_PROBE: get_torch_context_manager_or_global_device},
+)
+
+# transformers 5: each is enabled when its names exist in its home module.
+_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES, _TRANSFORMERS_PROBE)
 
 
 def _has_initialization_module() -> bool:
@@ -251,9 +284,10 @@ def enable_for_transformers() -> tuple[str, ...]:
         SHARED.pop(_LEFT_ALONE, None)
         if _TRANSFORMERS_4.enabled or not _has_initialization_module():
             return _enable_4()
-        home = _TRANSFORMERS._import_home()
-        rebindings = [r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(home))]
-        if not rebindings:
+        rebindings = [
+            r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(r._import_home()))
+        ]
+        if not [r for r in rebindings if r is not _TRANSFORMERS_PROBE]:
             # A 5.x release without either patch: nothing to route, not an error.
             SHARED[_LEFT_ALONE] = (
                 f"transformers {_TRANSFORMERS._version()} has neither "
@@ -264,6 +298,8 @@ def enable_for_transformers() -> tuple[str, ...]:
             return ()
         bound: list[str] = []
         done: list[Rebinding] = []
+        if _TRANSFORMERS_PROBE in rebindings and not _TRANSFORMERS_PROBE.enabled:
+            SHARED[_PROBE_ORIGINAL] = vars(_TRANSFORMERS_PROBE._import_home())[_PROBE]
         try:
             for rebinding in rebindings:
                 bound += rebinding.enable()
@@ -294,3 +330,26 @@ register(
         "transformers", enable_for_transformers, disable_for_transformers, transformers_enabled
     )
 )
+
+
+def _skipped_weight_init(module: torch.nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
+    """Tensors of transformers modules that transformers did not initialise. It skips its
+    weight initialisation when it sees the meta device (``include_buffers=True``), which
+    eager construction never does; every module it initialises gets ``_is_hf_initialized``.
+    (A plain torch layer materialized on its own is not recognised as transformers'.)"""
+    if _MODELING_UTILS not in sys.modules:
+        return
+    for part in module.modules():
+        if type(part).__module__.startswith("transformers.") and not getattr(
+            part, "_is_hf_initialized", False
+        ):
+            reason = (
+                f"transformers skipped the weight initialisation of {type(part).__name__} "
+                f"because it saw the meta device, which eager construction does not; build "
+                f"with include_buffers=False, or call metamode.enable_for_transformers() first"
+            )
+            for tensor in (*part.parameters(), *part.buffers()):
+                yield tensor, reason
+
+
+register_divergence_check(_skipped_weight_init)

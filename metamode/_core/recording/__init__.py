@@ -11,7 +11,7 @@ from metamode._core.recording.execute import ReplayError, execute
 from metamode._core.recording.plan import Key, Plan, plan
 from metamode._core.recording.program import Program, ProgramState, TensorRef
 from metamode._core.recording.recorder import Recorder
-from metamode._core.recording.registry import Entry, entry, forget, home
+from metamode._core.recording.registry import Entry, entry, forget, home, weakly_held_elsewhere
 
 __all__ = [
     "Entry",
@@ -27,4 +27,5 @@ __all__ = [
     "forget",
     "home",
     "plan",
+    "weakly_held_elsewhere",
 ]

@@ -37,6 +37,9 @@ class _Run:
         self.env: dict[Key, torch.UntypedStorage] = {}
         self.positioned: dict[DrawKey, torch.Generator] = {}
         self.snapshots: dict[DrawKey, torch.Tensor] = {}
+        # fresh results torch's CPU kernel laid out unlike its meta kernel: the recorded
+        # view -> the result as eager construction has it
+        self.relaid: dict[Key, dict[TensorRef, torch.Tensor]] = {}
 
     def storage(self, key: Key) -> torch.UntypedStorage | None:
         storage = self.env.get(key)
@@ -109,7 +112,7 @@ class _Run:
             raise ReplayError(f"the default dtype changed to {default} during materialize")
         result = call.func(*args, **kwargs)
         if not draws_only:
-            _bind(call, result, serial, self.env)
+            _bind(call, result, serial, self.env, self.relaid)
         for draw, generator in zip(call.draws, generators, strict=True):
             key = (serial, step.index, draw.stream)
             self.positioned[key] = generator
@@ -121,8 +124,12 @@ class _Run:
         return result
 
 
-def execute(plan: Plan, done: Callable[[Key, torch.UntypedStorage], None]) -> None:
-    """Run ``plan``; ``done(key, storage)`` is called once each wanted storage is final."""
+Done = Callable[[Key, torch.UntypedStorage, dict[TensorRef, torch.Tensor]], None]
+
+
+def execute(plan: Plan, done: Done) -> None:
+    """Run ``plan``; ``done(key, storage, relaid)`` is called once each wanted storage is
+    final (``relaid``: its results whose eager layout differs from the build's)."""
     run = _Run(plan)
     finals: dict[int, list[Key]] = {}
     for key, position in plan.done_after.items():
@@ -136,16 +143,22 @@ def execute(plan: Plan, done: Callable[[Key, torch.UntypedStorage], None]) -> No
                 storage = run.storage(key)
                 if storage is None:
                     raise ReplayError("a wanted storage has no value")
-                done(key, storage)
+                done(key, storage, {})
         for position, step in enumerate(plan.steps):
             run.run(step)
             for key in finals.get(position, ()):
-                done(key, run.env[key])
+                done(key, run.env[key], run.relaid.pop(key, {}))
             for key in frees.get(position, ()):
                 run.env.pop(key, None)
 
 
-def _bind(call: Call, result: Any, serial: int, env: dict[Key, torch.UntypedStorage]) -> None:
+def _bind(
+    call: Call,
+    result: Any,
+    serial: int,
+    env: dict[Key, torch.UntypedStorage],
+    relaid: dict[Key, dict[TensorRef, torch.Tensor]],
+) -> None:
     created = set(call.creates)
 
     def bind(spec: Any, value: Any) -> None:
@@ -156,12 +169,24 @@ def _bind(call: Call, result: Any, serial: int, env: dict[Key, torch.UntypedStor
                         f"{_name(call)} replayed {value.dtype}{list(value.shape)} where the "
                         f"build made {spec.dtype}{list(spec.size)}"
                     )
+                if value.stride() != spec.stride or value.storage_offset() != spec.offset:
+                    # torch's meta kernel laid it out otherwise: later calls of the recording
+                    # refer to the build's layout, a tensor that is this result to eager's
+                    relaid.setdefault((serial, spec.storage), {})[spec] = value
+                    value = _relaid(value, spec)
                 env[(serial, spec.storage)] = value.untyped_storage()
         elif isinstance(spec, tuple | list):
             for s, v in zip(spec, value, strict=True):
                 bind(s, v)
 
     bind(call.result, result)
+
+
+def _relaid(value: torch.Tensor, spec: TensorRef) -> torch.Tensor:
+    """``value`` copied into the layout ``spec`` describes."""
+    extent = spec.offset + sum((n - 1) * s for n, s in zip(spec.size, spec.stride, strict=True))
+    storage = torch.UntypedStorage((extent + 1) * spec.dtype.itemsize)
+    return _view(storage, spec).copy_(value)
 
 
 def _name(call: Call) -> str:

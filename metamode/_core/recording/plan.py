@@ -180,9 +180,7 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
     for step in result.steps:
         program, call, serial = step.program, step.call, step.program.serial
         reason = call.refused or _program_reason(program)
-        reads = call.reads if step.use is Use.VALUES else [
-            s for s in call.reads if s != call.target
-        ]
+        reads = [s for s in call.reads if s != call.target]
         if reason is None:
             reason = next((tainted[(serial, s)] for s in reads if (serial, s) in tainted), None)
         if reason is None and call.default_dtype is not None and call.default_dtype != default_dtype:
@@ -202,9 +200,13 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
             if why is not None:
                 states[(serial, step.index, draw.stream)] = why
                 reason = reason or why
-        if reason is not None and step.use is Use.VALUES:
+        if step.use is Use.VALUES:
             for storage in (*call.writes, *call.creates):
-                tainted.setdefault((serial, storage), reason)
+                key = (serial, storage)
+                if storage == call.covers or storage in call.creates:
+                    tainted.pop(key, None)  # all of it is this call's result now
+                if reason is not None:
+                    tainted.setdefault(key, reason)
     for program, storage in wanted:
         key = _key(program, storage)
         reason = _program_reason(program) or tainted.get(key)

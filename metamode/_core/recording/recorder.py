@@ -11,6 +11,7 @@ copied, devices mapped to the CPU replay computes on).
 
 from __future__ import annotations
 
+import array
 import inspect
 import sys
 import weakref
@@ -21,7 +22,9 @@ from typing import Any, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from metamode._core.facts import Fact, fact_of, meta_shortcut
+from torch.overrides import TorchFunctionMode
+
+from metamode._core.facts import Fact, fact_of, meta_shortcut, stand_in_for
 from metamode._core.recording import registry
 from metamode._core.recording.program import (
     Call,
@@ -49,6 +52,7 @@ class _Generator:
 
 
 GENERATOR = _Generator()
+_FOREIGN = object()  # noted while capturing: an argument whose memory a result may share
 _CPU = torch.device("cpu")
 _IMMUTABLE = frozenset(
     [
@@ -113,6 +117,15 @@ class Recorder:
         self.program.storages.append(
             Storage(origin, tensor.device.type, storage.nbytes(), call, outside)
         )
+        if tensor.is_inference():
+            self.program.storages[index].refused = (
+                "it is an inference tensor: it has no version counter to show its writes"
+            )
+        elif origin is Origin.UNKNOWN and registry.entry(tensor) is not None:
+            self.program.storages[index].refused = (
+                "it was computed from a tensor made in another metamode.empty_weights "
+                "context; materialize that one first"
+            )
         self._epochs.append(0)
         self._storages[storage._cdata] = (index, StorageWeakRef(storage))
         if outside is not None:
@@ -127,15 +140,11 @@ class Recorder:
         if seen is not None and seen[0]() is tensor:
             ref = seen[1]
             version = _version(tensor)
-            if version != seen[2]:
+            if version != seen[2] and creating_call is None:
                 epoch = self._epochs[ref.storage]
-                if epoch == seen[3]:
-                    self._refuse_storage(
-                        ref.storage,
-                        "it was written by code metamode did not record (torch functions "
-                        "disabled, or a C++ extension)",
-                    )
-                self._tensors[key] = (seen[0], ref, version, epoch)
+                if epoch == seen[3]:  # no recorded write since: someone else wrote it
+                    self._unseen_write(ref)
+                self._tensors[key] = (seen[0], ref, version, self._epochs[ref.storage])
             return ref
         storage = tensor.untyped_storage()
         known = self._storages.get(storage._cdata)
@@ -152,10 +161,23 @@ class Recorder:
         self._tensors[key] = (weakref.ref(tensor), ref, _version(tensor), self._epochs[index])
         return ref
 
-    def _refuse_storage(self, index: int, why: str) -> None:
-        storage = self.program.storages[index]
-        if storage.refused is None:
-            storage.refused = why
+    def _unseen_write(self, ref: TensorRef) -> None:
+        self._epochs[ref.storage] += 1
+        self.program.calls.append(
+            Call(
+                _unseen_write,
+                (ref,),
+                {},
+                reads=(),
+                writes=(ref.storage,),
+                creates=(),
+                result=None,
+                refused=(
+                    "it was written by code metamode did not record (with torch functions "
+                    "disabled, or in a C++ extension)"
+                ),
+            )
+        )
 
     # -- arguments ----------------------------------------------------------------------
     def _capture(self, value: Any, tensors: list, generators: list) -> Any:
@@ -184,9 +206,14 @@ class Recorder:
             )
         if kind.__module__ == "numpy":
             copy = getattr(value, "copy", None)
-            return copy() if callable(copy) and hasattr(value, "shape") else value
+            if callable(copy) and hasattr(value, "shape"):
+                generators.append(_FOREIGN)  # a result may share the array's memory
+                return copy()
+            return value
         if kind is bytearray:
             return bytearray(value)
+        if kind is array.array:
+            return array.array(value.typecode, value)
         raise CannotCapture(f"an argument of type {kind.__qualname__} metamode cannot copy")
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
@@ -210,6 +237,11 @@ class Recorder:
             if fact.is_meta and result is True and self.program.diverged is None:
                 self._meta_read(args[0], sys._getframe(2))
             return result
+        if stand_in_for(func) is not None:
+            # a library's stand-in for a torch.nn.init function (transformers' checks a
+            # flag on the tensor first): run it, and record what it does
+            with _Inside(self, runner, func):
+                return func(*args, **kwargs)
         tensors: list[torch.Tensor] = []
         generators: list[torch.Generator] = []
         refused = None
@@ -218,6 +250,9 @@ class Recorder:
             captured_kwargs = self._capture(kwargs, tensors, generators) if kwargs else {}
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
+        foreign = _FOREIGN in generators
+        if foreign:
+            generators = [g for g in generators if g is not _FOREIGN]
         inputs = [self.ref(t) for t in tensors]
         versions = [_version(t) for t in tensors]
         draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
@@ -262,6 +297,10 @@ class Recorder:
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
         self._append(call, tensors, draws, drew_real)
+        if foreign:  # its memory may be an array's, which can change: replay the copy
+            for storage in creates:
+                if self.program.storages[storage].device != "meta":
+                    self.program.storages[storage].off = True
         return result
 
     def _begin_draws(
@@ -472,6 +511,26 @@ class Recorder:
         """Nothing recorded here can be materialized."""
         self.program.state = ProgramState.ABANDONED
         self.program.abandoned = why
+
+
+class _Inside(TorchFunctionMode):
+    """Pushed while a library's stand-in for a ``torch.nn.init`` function runs, so the
+    torch calls it makes are recorded (torch's dispatch names the stand-in again when
+    it reaches torch's own function: that is recorded as torch's own)."""
+
+    def __init__(self, recorder: Recorder, runner: Runner, stand_in: Any) -> None:
+        super().__init__()
+        self.recorder, self.runner, self.stand_in = recorder, runner, stand_in
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is self.stand_in:
+            func = stand_in_for(func)
+        return self.recorder.record(func, args, kwargs or {}, self.runner)
+
+
+def _unseen_write(tensor: torch.Tensor) -> None:
+    """Stands for a write the recording did not see (never replayed: it is refused)."""
+    raise RuntimeError("an unseen write cannot be replayed")
 
 
 def _copy_as(source: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from metamode._core.recording.program import Program, TensorRef
 
-__all__ = ["Entry", "add", "entry", "forget", "home"]
+__all__ = ["Entry", "add", "entry", "forget", "home", "weakly_held_elsewhere"]
 
 
 @dataclass(slots=True)
@@ -69,6 +69,14 @@ def home(module: Any, name: str) -> Entry | None:
     if held is None or held[0]() is not module:
         return None
     return held[1].get(name)
+
+
+def weakly_held_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether something besides this registry holds a weak reference to ``tensor``."""
+    with _LOCK:
+        held = _ENTRIES.get(id(tensor))
+    ours = held[0] if held is not None and held[0]() is tensor else None
+    return any(ref is not ours for ref in weakref.getweakrefs(tensor))
 
 
 def forget(tensor: torch.Tensor) -> None:

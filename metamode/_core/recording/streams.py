@@ -46,7 +46,7 @@ _BY_PROGRAM: dict[int, list[int]] = {}  # program serial -> its marker seeds
 # later build can still continue the stream); the oldest go first beyond _KEEP.
 _KEPT: OrderedDict[int, None] = OrderedDict()
 _KEEP = 256
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # a finalizer may run while it is held
 
 
 @dataclass(slots=True)

@@ -133,8 +133,10 @@ def test_user_generator_is_replayed_from_its_state_at_first_use():
         nn.init.normal_(layer.weight, generator=gen)
         return layer
 
+    torch.manual_seed(0)
     ref = build(torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(0)
     with metamode.empty_weights(replayable=True):
         model = build(gen)
     metamode.materialize(model)
@@ -157,6 +159,8 @@ def test_plain_meta_device_is_refused_naming_every_tensor():
 
 
 class Outside(nn.Module):
+    """``external`` is a meta tensor made outside the recording: it has no value."""
+
     def __init__(self, external: torch.Tensor) -> None:
         super().__init__()
         self.ok = nn.Linear(2, 2)
@@ -166,7 +170,7 @@ class Outside(nn.Module):
 
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_unrecordable_tensors_are_refused_before_any_allocation(include_buffers):
-    external = torch.ones(3)
+    external = torch.ones(3, device="meta")
     with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
         model = Outside(external)
     assert metamode.is_materializable(model.ok)
@@ -180,9 +184,9 @@ def test_unrecordable_tensors_are_refused_before_any_allocation(include_buffers)
 
 
 def test_on_unreproducible_empty_allocates_the_rest_exactly():
-    external = torch.ones(3)
+    external = torch.ones(3, device="meta")
     torch.manual_seed(0)
-    ref = Outside(external)
+    ref = Outside(torch.ones(3))
     torch.manual_seed(0)
     with metamode.empty_weights(replayable=True):
         model = Outside(external)
@@ -230,7 +234,7 @@ def test_replayable_needs_the_meta_device():
 
 
 def test_summary_shows_which_meta_tensors_can_be_materialized():
-    external = torch.ones(3)
+    external = torch.ones(3, device="meta")
     with metamode.empty_weights(replayable=True):
         model = Outside(external)
     report = metamode.summary(model)
@@ -258,6 +262,7 @@ def test_recording_holds_no_cpu_tensor_alive(include_buffers):
             self.lin = nn.Linear(256, 256)
             originals.append(weakref.ref(self.lin.weight))
 
+    torch.manual_seed(0)
     with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
         model = nn.Sequential(Holder(), Holder())
     gc.collect()

@@ -84,18 +84,22 @@ def test_a_write_after_the_block_refuses_only_that_tensor(include_buffers):
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
-def test_load_state_dict_after_the_block_into_a_buffer_is_refused_not_discarded(
+def test_load_state_dict_after_the_block_into_a_buffer_is_kept_or_refused_never_discarded(
     include_buffers,
 ):
-    # include_buffers=False: the running stats are real tensors registered in the context,
-    # and load_state_dict copies into them; True: into their meta twins (a no-op on meta).
+    # include_buffers=False: the running stats are real tensors the build computed exactly,
+    # and load_state_dict copies into them: they are the user's, kept as loaded. True: the
+    # copy goes into their meta twins (a no-op on meta that moves their version): refused.
+    ref = build_eagerly(_net)
     model = build_empty(_net, include_buffers)
     loaded = {"1.running_mean": torch.full((4,), 3.0), "1.running_var": torch.full((4,), 2.0)}
     model.load_state_dict(loaded, strict=False)
-    message = assert_refused(model, "1.running_mean", "1.running_var")
-    assert not named(message, "0.weight")
-    if not include_buffers:
-        assert torch.equal(model[1].running_mean, loaded["1.running_mean"])
+    if include_buffers:
+        message = assert_refused(model, "1.running_mean", "1.running_var")
+        assert not named(message, "0.weight")
+        return
+    ref.load_state_dict(loaded, strict=False)
+    materialize_exactly(model, ref)
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
@@ -103,7 +107,11 @@ def test_a_whole_state_dict_loaded_after_the_block_is_refused(include_buffers):
     model = build_empty(_net, include_buffers)
     checkpoint = {k: torch.ones_like(v, device="cpu") for k, v in _net().state_dict().items()}
     model.load_state_dict(checkpoint)
-    assert_refused(model, "0.weight", "1.running_mean", "2.bias")
+    names = ("0.weight", "2.bias", *(("1.running_mean",) if include_buffers else ()))
+    message = assert_refused(model, *names)
+    if not include_buffers:  # real buffers the build computed: the loaded values stay
+        assert not named(message, "1.running_mean")
+        assert torch.equal(model[1].running_mean, torch.ones(4))
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
@@ -197,11 +205,17 @@ def test_channels_last_after_the_block_is_exact_or_refused(include_buffers):
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
-def test_a_real_buffer_written_after_the_block_is_refused(include_buffers):
+def test_a_buffer_written_after_the_block_is_kept_if_real_and_refused_if_meta(include_buffers):
+    ref = build_eagerly(_net)
     model = build_empty(_net, include_buffers)
     model[1].running_var.fill_(4.0)
     model[1].num_batches_tracked += 1
-    assert_refused(model, "1.running_var", "1.num_batches_tracked")
+    if include_buffers:
+        assert_refused(model, "1.running_var", "1.num_batches_tracked")
+        return
+    ref[1].running_var.fill_(4.0)
+    ref[1].num_batches_tracked += 1
+    materialize_exactly(model, ref)
 
 
 def test_a_meta_forward_in_train_mode_after_the_block_refuses_the_step_count():

@@ -123,8 +123,13 @@ def test_an_outside_tensor_changed_after_the_block_refuses_what_was_made_from_it
     write, change, include_buffers
 ):
     source = torch.arange(12.0).reshape(3, 4) / 7
+    ref = build_eagerly(_reads(source, OUTSIDE_WRITES[write]))
     model = build_empty(_reads(source, OUTSIDE_WRITES[write]), include_buffers)
     CHANGES[change](source)
+    if write == "register_buffer(source*2)" and not include_buffers:
+        # a real buffer the build computed from it before the change: already eager's
+        materialize_exactly(model, ref)
+        return
     message = assert_refused(model, _written(OUTSIDE_WRITES[write]))
     assert not named(message, "1.weight") and not named(message, "0.bias")
 

@@ -26,24 +26,11 @@ def _is_meta(t: torch.Tensor) -> bool:
     return t.is_meta
 
 
-def _device_type(t: torch.Tensor) -> bool:
-    return t.device.type == "meta"
-
-
-def _device_equal(t: torch.Tensor) -> bool:
-    return t.device == torch.device("meta")
-
-
-def _device_str(t: torch.Tensor) -> bool:
-    return str(t.device) == "meta"
-
-
-READS = {
-    "is_meta": (_is_meta, "is_meta"),
-    "device.type": (_device_type, "device"),
-    "device==meta": (_device_equal, "device"),
-    "str(device)": (_device_str, "device"),
-}
+READS = {"is_meta": (_is_meta, "is_meta")}
+# A branch on ``tensor.device`` (``.type == "meta"``, ``== torch.device("meta")``,
+# ``str(...)``) is not seen: it reads the same property as code placing a new tensor beside
+# it (PEFT's ``_move_adapter_to_device_of_base_layer``). The library branches of this kind
+# metamode knows are refused by the integrations (tests/integration/test_materialize_peft_init.py).
 
 
 class SkipsItsInitOnMeta(nn.Module):
@@ -82,8 +69,9 @@ def test_a_branch_on_meta_refuses_naming_the_read(read, include_buffers):
         return nn.Sequential(nn.Linear(4, 4), SkipsItsInitOnMeta(on_meta))
 
     model = build_empty(build, include_buffers)
-    message = assert_refused(model, "1.weight", because=word)
-    assert not named(message, "0.weight")
+    # what was built before the read is refused too: the branch may skip writes to any
+    # tensor, built before it or after
+    assert_refused(model, "1.weight", "0.weight", because=word)
 
 
 @pytest.mark.parametrize("include_buffers", MODES)

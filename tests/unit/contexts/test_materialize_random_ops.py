@@ -94,7 +94,11 @@ class Drawn(nn.Module):
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("op", sorted(DRAWS))
 def test_every_random_op_is_replayed_exactly(op, include_buffers):
-    assert_eager_equal(lambda: Drawn(DRAWS[op]), include_buffers)
+    # Beta draws through a Dirichlet whose meta kernel lays the sample out otherwise than
+    # its CPU kernel: the values are eager's, the strides of a view of it the meta build's
+    ref = build_eagerly(lambda: Drawn(DRAWS[op]))
+    model = build_empty(lambda: Drawn(DRAWS[op]), include_buffers)
+    materialize_exactly(model, ref, strides=op != "Beta.sample")
 
 
 @pytest.mark.parametrize("op", ["binomial", "_standard_gamma", "Gamma.sample"])

@@ -78,7 +78,10 @@ def test_reparametrized_layers_are_exact_or_refused_upfront(wrap, include_buffer
     ref = build_eagerly(build)
     model = build_empty(build, include_buffers)
     if metamode.is_materializable(model):
-        materialize_exactly(model, ref)
+        # the old nn.utils.weight_norm keeps a weight computed from weight_g and weight_v:
+        # that autograd graph holds them, so new parameters take their places
+        held = ("1.weight_g", "1.weight_v") if wrap == "utils.weight_norm" else ()
+        materialize_exactly(model, ref, replaced=held)
     else:  # which of the wrapped layer's tensors is the replay's to say
         message = assert_refused(model)
         assert any(named(message, n) for n in tensors(model) if n.startswith("1.")), message
@@ -99,19 +102,15 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
 
 
-def test_empty_leaves_a_real_buffer_changed_after_the_block_as_it_is():
+def test_a_real_buffer_changed_after_the_block_is_left_as_it_is():
+    # The build computed it exactly (no random numbers in it): it is the user's to change.
     ref = build_eagerly(_net)
     model = build_empty(_net, include_buffers=False)
     stats = model[1].running_mean
     stats.fill_(3.0)
-    assert not metamode.is_materializable(model)
-    state = torch.default_generator.get_state()
-    metamode.materialize(model, on_unreproducible="empty")
-    assert torch.equal(torch.default_generator.get_state(), state)
+    ref[1].running_mean.fill_(3.0)
+    materialize_exactly(model, ref, on_unreproducible="empty")
     assert model[1].running_mean is stats
-    assert torch.equal(stats, torch.full((4,), 3.0))
-    others = [n for n in tensors(ref) if n != "1.running_mean"]
-    assert_same_tensors(model, ref, others)
 
 
 class FromNumpy(nn.Module):
@@ -122,16 +121,16 @@ class FromNumpy(nn.Module):
         self.after = nn.Linear(3, 3)
 
 
-def test_empty_keeps_a_real_buffer_it_cannot_reproduce():
+def test_a_real_buffer_sharing_an_arrays_memory_is_kept_as_eager_keeps_it():
+    # torch.from_numpy is not a torch function a mode sees: the buffer is a real tensor
+    # made outside the recording, which materialize leaves as it is (sharing the array's
+    # memory, as eager construction's does).
     values = np.arange(5, dtype=np.float32)
     ref = build_eagerly(lambda: FromNumpy(values))
     model = build_empty(lambda: FromNumpy(values), include_buffers=False)
     table = model.table
-    assert not metamode.is_materializable(model)
-    metamode.materialize(model, on_unreproducible="empty")
+    materialize_exactly(model, ref, on_unreproducible="empty")
     assert model.table is table
-    assert torch.equal(table, torch.arange(5.0))
-    assert_same_tensors(model, ref, ["lin.weight", "lin.bias", "after.weight", "after.bias"])
 
 
 def test_empty_gives_uninitialised_memory_only_to_meta_tensors_it_cannot_reproduce():

@@ -49,11 +49,16 @@ CASES = {
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, include_buffers):
+    """Also: a tensor's value does not depend on what is materialized with it."""
     build, pick = CASES[name]
     torch.manual_seed(0)
     ref = build()
     torch.manual_seed(0)
-    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+    # transformers skips its weight init when it sees the meta device: its shim shows it
+    # what eager construction sees
+    with metamode.enabled("transformers"), metamode.empty_weights(
+        include_buffers=include_buffers, replayable=True
+    ):
         model = build()
     part = pick(model)
     inside = {id(t) for t in _tensors(part).values()}
@@ -70,3 +75,12 @@ def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, inc
     metamode.materialize(model)
     for key, tensor in _tensors(ref).items():
         assert torch.equal(_tensors(model)[key], tensor), key
+
+
+def test_a_transformers_model_built_on_meta_without_its_shim_is_refused():
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=True, replayable=True):
+        model = _llama()
+    with pytest.raises(metamode.NotMaterializableError, match="enable_for_transformers"):
+        metamode.materialize(model.model.layers[1])
+    assert all(t.is_meta for t in model.model.layers[1].parameters())
