@@ -92,8 +92,9 @@ if _typing.TYPE_CHECKING:
     )
 
 
-# Names whose use needs the integrations' knowledge of their libraries (materialize).
-_NEEDS_INTEGRATIONS = frozenset(["materialize", "is_materializable", "summary", "empty_weights"])
+# Names whose use needs the integrations' knowledge of their libraries (the builds they
+# record, the materialize that replays them).
+_NEEDS_INTEGRATIONS = frozenset(["empty_weights", "materialize", "is_materializable"])
 
 
 def __getattr__(name: str) -> object:

@@ -19,7 +19,6 @@ __all__ = [
     "NotMaterializableError",
     "is_materializable",
     "materialize",
-    "register_divergence_check",
     "unreproducible",
 ]
 
@@ -36,19 +35,6 @@ _REPLACED = torch.utils.weak.WeakIdKeyDictionary()
 
 class NotMaterializableError(RuntimeError):
     """Some tensors of a module cannot be given their eager values; nothing was changed."""
-
-
-# Library knowledge, registered by metamode.integrations: each check yields
-# (tensor, reason) for tensors a library's build is known to make differently on meta.
-_DIVERGENCE_CHECKS: list[Callable[[nn.Module], Iterator[tuple[torch.Tensor, str]]]] = []
-
-
-def register_divergence_check(
-    check: Callable[[nn.Module], Iterator[tuple[torch.Tensor, str]]],
-) -> None:
-    """Add ``check`` to what :func:`materialize` asks before replaying (once per check)."""
-    if check not in _DIVERGENCE_CHECKS:
-        _DIVERGENCE_CHECKS.append(check)
 
 
 @dataclass(slots=True)
@@ -177,11 +163,6 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
             continue  # the build computed exactly eager's value: keep it
         slot.reason = _changed(slot)
         slot.wanted = slot.reason is None
-    for check in _DIVERGENCE_CHECKS:
-        for tensor, reason in check(module):
-            for slot in slots:
-                if slot.tensor is tensor and slot.entry is not None and slot.reason is None:
-                    slot.reason, slot.wanted = reason, False
     for slot in slots:
         if slot.wanted:
             earlier = _INSTALLED.get(slot.entry.program, {}).get(slot.entry.ref.storage)  # type: ignore[union-attr]

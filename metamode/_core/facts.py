@@ -32,7 +32,9 @@ __all__ = [
     "Fact",
     "MetaShortcut",
     "fact_of",
+    "meta_branch",
     "meta_shortcut",
+    "register_meta_branch",
     "stand_in_for",
 ]
 
@@ -103,6 +105,28 @@ _QUERY_METHODS = frozenset(
         "__hash__",
     ]
 )
+# torch functions of the same kind (read metadata or process state, no tensor values)
+_QUERY_FUNCTIONS = frozenset(
+    [
+        "_has_compatible_shallow_copy_type",
+        "_parse_to",
+        "is_same_size",
+        "is_floating_point",
+        "is_complex",
+        "is_conj",
+        "is_neg",
+        "is_signed",
+        "is_inference",
+        "numel",
+        "result_type",
+        "is_tensor",
+        "is_storage",
+        "get_device",
+        "_set_grad_enabled",
+        "is_grad_enabled",
+        "is_inference_mode_enabled",
+    ]
+)
 _QUERY_PROPERTIES = frozenset(
     [
         "shape",
@@ -147,7 +171,7 @@ class Fact:
     from arguments that are not tensors (torch's device-constructor list). ``overwrites``:
     writes its first argument without reading its values. ``init``: a ``torch.nn.init``
     function. ``changes_geometry``: may give a tensor argument another storage, shape or
-    strides in place. ``is_meta``: the ``is_meta`` property read.
+    strides in place. ``is_meta``, ``device``: a read of that property.
     """
 
     name: str
@@ -159,6 +183,7 @@ class Fact:
     init: bool = False
     changes_geometry: bool = False
     is_meta: bool = False
+    device: bool = False
 
 
 _QUERY_FACT = Fact("query", query=True)
@@ -181,10 +206,14 @@ def _classify(func: Any) -> Fact:
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
         if name == "__get__" and prop == "is_meta":
             return Fact("is_meta", query=True, is_meta=True)
+        if name == "__get__" and prop == "device":
+            return Fact("device", query=True, device=True)
         if name == "__get__" and prop in _QUERY_PROPERTIES:
             return _QUERY_FACT
         return Fact(f"{prop}.{name}", changes_geometry=prop in _GEOMETRY_CHANGING)
     if name in _QUERY_METHODS and _is_tensor_method(func):
+        return _QUERY_FACT
+    if name in _QUERY_FUNCTIONS and type(func) is not FunctionType:
         return _QUERY_FACT
     if type(func) is FunctionType:
         return _python_fact(func, name)
@@ -324,13 +353,13 @@ _REPLAYS: dict[str, Callable[..., Any]] = {"sparse_": _sparse_}
 @functools.cache
 def _meta_shortcuts() -> dict[CodeType, MetaShortcut]:
     table: dict[CodeType, MetaShortcut] = {}
-    for name, function in _INIT.items():
-        if name.startswith("_") or type(function) is not FunctionType:
+    for name, function in _TORCH_INIT_FUNCTIONS.items():
+        if name.startswith("_"):
             continue
         parameters = tuple(inspect.signature(function).parameters)
         readers = [function.__code__] if "is_meta" in function.__code__.co_names else []
         for helper_name in function.__code__.co_names:
-            helper = _INIT.get(helper_name)
+            helper = _TORCH_INIT_FUNCTIONS.get(helper_name)
             if (
                 helper_name.startswith("_")
                 and type(helper) is FunctionType
@@ -352,3 +381,26 @@ def _meta_shortcuts() -> dict[CodeType, MetaShortcut]:
 def meta_shortcut(code: CodeType) -> MetaShortcut | None:
     """The init function that returns early on meta after reading ``is_meta`` in ``code``."""
     return _meta_shortcuts().get(code)
+
+
+# -- libraries' branches on meta-ness -----------------------------------------------------
+
+# Where a library's code asks whether a tensor is on meta (``.is_meta`` or ``.device``) and
+# then builds something else than eager construction does. Registered by
+# metamode.integrations: (code objects, found lazily, why it diverges).
+_META_BRANCHES: list[tuple[Callable[[], list[CodeType]], str]] = []
+
+
+def register_meta_branch(codes: Callable[[], list[CodeType]], why: str) -> None:
+    """Say that the functions whose code ``codes()`` returns branch on a tensor being on
+    meta, away from eager construction (``why`` says what they do)."""
+    if all(registered is not codes for registered, _ in _META_BRANCHES):
+        _META_BRANCHES.append((codes, why))
+
+
+def meta_branch(code: CodeType) -> str | None:
+    """Why the library code ``code`` builds otherwise on meta, if it is known to."""
+    for codes, why in _META_BRANCHES:
+        if code in codes():
+            return why
+    return None

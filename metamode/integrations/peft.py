@@ -6,13 +6,13 @@ contexts (README, "How it works"; why a toggle is safe: docs/design.md, "Shims")
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from types import CodeType
 from typing import Any
 
 import torch
 
 from metamode._contexts.empty_weights import empty_weights, skip_empty_weights
-from metamode._contexts.materialize import register_divergence_check
+from metamode._core.facts import register_meta_branch
 from metamode._core.modes import EmptyWeights, SkipEmptyWeights
 from metamode.integrations._rebind import _LOCK, SHARED, Rebinding
 from metamode.integrations._registry import Integration, register
@@ -140,32 +140,26 @@ def peft_enabled() -> bool:
 register(Integration("peft", enable_for_peft, disable_for_peft, peft_enabled))
 
 
-def _meta_branches(module: torch.nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
-    """Adapter tensors whose PEFT init does something else when its tensors are on meta
-    (a branch on ``tensor.device``, which the recording cannot see)."""
-    variants = sys.modules.get("peft.tuners.lora.variants")
-    branching = tuple(
-        kind
-        for name in ("MiCALinearVariant", "MiCAEmbeddingVariant", "MontecloraLinearVariant")
-        if (kind := getattr(variants, name, None)) is not None
-    )
-    if not branching:
-        return
-    for layer in module.modules():
-        for adapter, variant in (getattr(layer, "lora_variant", None) or {}).items():
-            if isinstance(variant, branching):
-                reason = (
-                    f"PEFT's {type(variant).__name__} initialises adapter {adapter!r} "
-                    f"differently when it is on meta (low_cpu_mem_usage=True), so its "
-                    f"values cannot be replayed; create it with low_cpu_mem_usage=False"
-                )
-                for table in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-                    part = getattr(layer, table, None)
-                    if part is not None and adapter in part:
-                        entry = part[adapter]
-                        tensors = entry.parameters() if isinstance(entry, torch.nn.Module) else [entry]
-                        for tensor in tensors:
-                            yield tensor, reason
+def _branching_on_meta() -> list[CodeType]:
+    """PEFT functions that build an adapter otherwise when its tensors are on meta."""
+    found = []
+    for module_name, qualnames in (
+        ("peft.tuners.lora.layer", ("LoraLayer.mica_init", "Embedding.mica_init")),
+        ("peft.tuners.lora.variants", ("MontecloraLinearVariant.init",)),
+    ):
+        module = sys.modules.get(module_name)
+        for qualname in qualnames if module is not None else ():
+            owner, _, name = qualname.partition(".")
+            function = getattr(getattr(module, owner, None), name, None)
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                found.append(code)
+    return found
 
 
-register_divergence_check(_meta_branches)
+register_meta_branch(
+    _branching_on_meta,
+    "PEFT initialises this adapter otherwise when its tensors are on the meta device "
+    "(MiCA skips its SVD init, MonteCLoRA defers its sampler): create it with "
+    "low_cpu_mem_usage=False",
+)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
-from types import FrameType
+from types import CodeType, FrameType
 
 import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
 from metamode._contexts.empty_weights import skip_empty_weights
-from metamode._contexts.materialize import register_divergence_check
+from metamode._core.facts import register_meta_branch
 from metamode._core import stack as _stack
 from metamode._core.modes import (
     EmptyWeights,
@@ -332,24 +331,17 @@ register(
 )
 
 
-def _skipped_weight_init(module: torch.nn.Module) -> Iterator[tuple[torch.Tensor, str]]:
-    """Tensors of transformers modules that transformers did not initialise. It skips its
-    weight initialisation when it sees the meta device (``include_buffers=True``), which
-    eager construction never does; every module it initialises gets ``_is_hf_initialized``.
-    (A plain torch layer materialized on its own is not recognised as transformers'.)"""
-    if _MODELING_UTILS not in sys.modules:
-        return
-    for part in module.modules():
-        if type(part).__module__.startswith("transformers.") and not getattr(
-            part, "_is_hf_initialized", False
-        ):
-            reason = (
-                f"transformers skipped the weight initialisation of {type(part).__name__} "
-                f"because it saw the meta device, which eager construction does not; build "
-                f"with include_buffers=False, or call metamode.enable_for_transformers() first"
-            )
-            for tensor in (*part.parameters(), *part.buffers()):
-                yield tensor, reason
+def _device_probe() -> list[CodeType]:
+    probe = getattr(sys.modules.get(_MODELING_UTILS), _PROBE, None)
+    if _TRANSFORMERS_PROBE.enabled:  # the shim's replacement shows it eager's device
+        probe = SHARED.get(_PROBE_ORIGINAL, probe)
+    code = getattr(probe, "__code__", None)
+    return [code] if code is not None else []
 
 
-register_divergence_check(_skipped_weight_init)
+register_meta_branch(
+    _device_probe,
+    "transformers skipped its weight initialisation because it saw the meta device, which "
+    "eager construction does not; build with include_buffers=False, or call "
+    "metamode.enable_for_transformers() first",
+)

@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch.overrides import TorchFunctionMode
 
-from metamode._core.facts import Fact, fact_of, meta_shortcut, stand_in_for
+from metamode._core.facts import Fact, fact_of, meta_branch, meta_shortcut, stand_in_for
 from metamode._core.recording import registry
 from metamode._core.recording.program import (
     Call,
@@ -73,6 +73,8 @@ _IMMUTABLE = frozenset(
 )
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 _TO = torch.Tensor.to
+# what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
+_VALUES = frozenset([int, float, bool, complex, list])
 
 
 class CannotCapture(Exception):
@@ -234,8 +236,10 @@ class Recorder:
         fact = fact_of(func)
         if fact.query:
             result = func(*args, **kwargs)
-            if fact.is_meta and result is True and self.program.diverged is None:
-                self._meta_read(args[0], sys._getframe(2))
+            if self.program.diverged is None and (
+                (fact.is_meta and result is True) or (fact.device and result.type == "meta")
+            ):
+                self._meta_read(args[0], sys._getframe(2), fact.is_meta)
             return result
         if stand_in_for(func) is not None:
             # a library's stand-in for a torch.nn.init function (transformers' checks a
@@ -270,7 +274,7 @@ class Recorder:
         creates: list[int] = []
         captured_result = self._results(result, creates, index)
         if not writes and not creates and not fact.random:
-            if tensors and not _holds_tensor(result):
+            if tensors and type(result) in _VALUES:  # Python values read from tensor data
                 self._value_read(func, inputs)
             return result
         if fact.factory:
@@ -386,9 +390,16 @@ class Recorder:
         return tracks
 
     # -- reads that steer the build -----------------------------------------------------
-    def _meta_read(self, tensor: torch.Tensor, frame: FrameType | None) -> None:
+    def _meta_read(self, tensor: torch.Tensor, frame: FrameType | None, is_meta: bool) -> None:
+        """The build asked whether ``tensor`` is on meta: eager construction would hear no."""
         while frame is not None and frame.f_code.co_name == "__torch_function__":
             frame = frame.f_back
+        known = meta_branch(frame.f_code) if frame is not None else None
+        if known is not None:
+            self.diverge(known)
+            return
+        if not is_meta:
+            return  # a device read, most often to place a new tensor beside this one
         shortcut = meta_shortcut(frame.f_code) if frame is not None else None
         if shortcut is None or frame is None:
             where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
