@@ -40,6 +40,7 @@ __all__ = [
     "SkipEmptyWeights",
     "ThreadScopedMode",
     "active_empty_weights",
+    "skipping_empty_weights",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -364,10 +365,16 @@ class EmptyWeights(ThreadScopedMode):
         self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
     ) -> torch.nn.Parameter | None:
         """The tensor to register in ``param``'s place (None: ``param`` itself)."""
-        placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
+        placed = None
+        if not _already_on(param, self.device) and not self._leaves_in_place(param):
+            placed = self._memoised(param, moved_parameter)
         if self._recorder is not None:
             self._recorder.registered(param, placed, module, name)
         return placed
+
+    def _leaves_in_place(self, param: torch.nn.Parameter) -> bool:
+        """Subclass interface: True to leave a registered parameter where it is."""
+        return False
 
     def place_buffer(
         self, tensor: torch.Tensor, module: Any = None, name: str | None = None
@@ -448,6 +455,12 @@ def active_empty_weights() -> EmptyWeights | None:
     """The empty-weights context governing this thread now, or None."""
     mode = _stack.innermost(_SCOPES, skip_inert=True)
     return mode if isinstance(mode, EmptyWeights) else None
+
+
+def skipping_empty_weights() -> bool:
+    """True while a :class:`SkipEmptyWeights` is the innermost empty-weights scope of this
+    thread (its registrations are left where they are)."""
+    return isinstance(_stack.innermost(_SCOPES, skip_inert=True), SkipEmptyWeights)
 
 
 def kept_registration(

@@ -376,8 +376,8 @@ def _check_peft_skip() -> list[Finding]:
                 f"(stale unless another thread is inside skip_init_on_device right now)",
                 "peft.utils.integrations._skip_init_on_device: a stock skip_init_on_device "
                 "block that is still open in another thread, or was abandoned without "
-                "exiting, or exited after _init_on_device was swapped under it (metamode's "
-                "PEFT shim toggled mid-block, before metamode forwarded the flag)",
+                "exiting, or exited after a tool other than metamode's PEFT shim swapped "
+                "_init_on_device under it",
                 _repair=clear,
             )
         )

@@ -44,9 +44,14 @@ class Rebinding:
     of ``package`` and of the packages in ``scan`` (``from accelerate import
     init_empty_weights`` in diffusers) whose namespace holds an original, found by identity;
     it raises ``IncompatibleLibraryError`` naming the version and the missing names, with
-    nothing changed, when the home module lacks one. ``disable`` restores every binding that
-    still holds a replacement, including those of modules imported later and of
-    replacements made before an ``importlib.reload`` of the integration.
+    nothing changed, when the home module lacks one. ``before_rebinding``, if given, is called
+    with ``{name: original}`` after those checks and before the first name is rebound, so a
+    replacement can reach the original from the moment any code can find the replacement.
+    ``disable`` restores every binding that still holds a replacement, including those of
+    modules imported later and of replacements made before an ``importlib.reload`` of the
+    integration. The home module is rebound first and restored last, so while another
+    thread watches a toggle half done, a module holding a replacement implies that the home
+    module, where the library's own functions look the names up at call time, holds it too.
     """
 
     package: str
@@ -54,6 +59,7 @@ class Rebinding:
     home_module: str
     replacements: Mapping[str, Callable[..., Any]]
     scan: tuple[str, ...] = ()
+    before_rebinding: Callable[[Mapping[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         for name, replacement in self.replacements.items():
@@ -95,6 +101,8 @@ class Rebinding:
                     f"{self.home_module} already holds metamode's replacements "
                     f"(another copy of metamode enabled this shim?)"
                 )
+            if self.before_rebinding is not None:
+                self.before_rebinding(originals)
             by_original = {id(originals[n]): self.replacements[n] for n in originals}
             targets = [
                 (module, attr, value, by_original[id(value)])
@@ -122,7 +130,7 @@ class Rebinding:
                 return ()
             keys = set(self._keys)
             restored = []
-            for module, attr, tag in self._ours():
+            for module, attr, tag in reversed(self._ours()):  # the home module last
                 if tag in keys and tag in _ORIGINALS:
                     setattr(module, attr, _ORIGINALS[tag])
                     restored.append(f"{module.__name__}.{attr}")
@@ -175,13 +183,18 @@ class Rebinding:
         )
 
     def _library_modules(self) -> list[ModuleType]:
+        """The library's modules, the home module first."""
         packages = (self.package, *self.scan)
         prefixes = tuple(package + "." for package in packages)
-        return [
-            module
-            for name, module in list(sys.modules.items())
-            if isinstance(module, ModuleType) and (name in packages or name.startswith(prefixes))
-        ]
+        return sorted(
+            (
+                module
+                for name, module in list(sys.modules.items())
+                if isinstance(module, ModuleType)
+                and (name in packages or name.startswith(prefixes))
+            ),
+            key=lambda module: module.__name__ != self.home_module,
+        )
 
     def _version(self) -> str:
         try:

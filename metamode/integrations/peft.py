@@ -6,6 +6,7 @@ contexts (README, "How it works"; why a toggle is safe: docs/design.md, "Shims")
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from types import CodeType
 from typing import Any
 
@@ -13,8 +14,8 @@ import torch
 
 from metamode._contexts.empty_weights import empty_weights, skip_empty_weights
 from metamode._core.facts import register_meta_branch
-from metamode._core.modes import EmptyWeights, SkipEmptyWeights
-from metamode.integrations._rebind import _LOCK, SHARED, Rebinding
+from metamode._core.modes import EmptyWeights, SkipEmptyWeights, skipping_empty_weights
+from metamode.integrations._rebind import _LOCK, SHARED, Rebinding, _tag_of
 from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_peft", "enable_for_peft"]
@@ -26,7 +27,7 @@ def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
     Replayable: a new adapter made with ``low_cpu_mem_usage=True`` can be
     given its eager values by :func:`metamode.materialize`.
     """
-    return empty_weights(include_buffers=_include_buffers(include_buffers), replayable=True)
+    return _shim_context(_include_buffers(include_buffers), torch.device("meta"), replayable=True)
 
 
 def _include_buffers(value: bool | None) -> bool:
@@ -41,30 +42,66 @@ def _include_buffers(value: bool | None) -> bool:
     return value
 
 
+class _ShimEmptyWeights(EmptyWeights):
+    """The context the shim's ``init_empty_weights`` and ``_init_on_device`` return.
+
+    While the shim has stayed on since the block was entered, it is
+    :func:`metamode.empty_weights`: the calling thread's only, blind to PEFT's process-wide
+    ``_init_on_device._skip``. A block entered while the shim was off, or open across a
+    ``disable_for_peft()``, runs around stock PEFT code again: from then on it also leaves
+    where it is a parameter registered while PEFT's flag is True, as PEFT's own block would.
+    """
+
+    _entered_in: object | None = None  # the shim's on-period at entry; None: it was off
+
+    def _after_enter(self) -> None:
+        self._entered_in = SHARED.get(_ON_PERIOD)
+        super()._after_enter()
+
+    def _leaves_in_place(self, param: torch.nn.Parameter) -> bool:
+        entered_in = self._entered_in
+        if entered_in is not None and SHARED.get(_ON_PERIOD) is entered_in:
+            return False
+        return _peft_flag() is True
+
+
+def _shim_context(include_buffers: bool, device: torch.device, replayable: bool) -> EmptyWeights:
+    checked = empty_weights(include_buffers=include_buffers, device=device, replayable=replayable)
+    return _ShimEmptyWeights(checked.device, checked.include_buffers, checked.replayable)
+
+
 class _InitOnDevice:
     """metamode's replacement for ``peft.utils.integrations._init_on_device``.
 
-    Called like PEFT's; reads and writes of its ``_skip`` attribute go to PEFT's function's,
-    so there is one flag whichever function a stock context finds.
+    Called like PEFT's. Its ``_skip`` attribute is PEFT's function's: reads, writes and
+    deletes go there, so stock code meets one flag whichever of the two functions it looks
+    up, before, during and after a toggle, and reading it never raises. One read differs,
+    in the reading thread only: PEFT's own parameter patch (a stock block opened before
+    ``enable_for_peft()``) reads True while that thread is inside metamode's
+    ``skip_empty_weights``, so the parameter stays where it is, as inside PEFT's own skip.
     """
 
     def __call__(self, device: torch.device, include_buffers: bool | None = None) -> EmptyWeights:
-        return empty_weights(include_buffers=_include_buffers(include_buffers), device=device)
+        return _shim_context(_include_buffers(include_buffers), device, replayable=False)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_skip":
-            return getattr(_peft_function(), "_skip", False)
-        raise AttributeError(name)
+        if name != "_skip":
+            raise AttributeError(name)
+        reader = sys._getframe(1).f_code  # getattr's caller
+        patch = any(reader is code for code in SHARED.get(_PATCH_CODE, ()))
+        if patch and skipping_empty_weights():
+            return True
+        return _peft_flag()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_skip":
-            _peft_function()._skip = value
+            _writable_peft_function()._skip = value
         else:
             object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         if name == "_skip":
-            vars(_peft_function()).pop("_skip", None)
+            vars(_writable_peft_function()).pop("_skip", None)
         else:
             object.__delattr__(self, name)
 
@@ -73,21 +110,55 @@ class _InitOnDevice:
 
 
 _init_on_device = _InitOnDevice()
-_PEFT_FUNCTION = "peft: _init_on_device"  # SHARED key: PEFT's own function
+# SHARED keys (kept in _rebind, so that a reload of this module keeps them):
+_PEFT_FUNCTION = "peft: _init_on_device"  # PEFT's own function; never dropped
+_PATCH_CODE = "peft: _init_on_device patch code"  # code of the functions defined in it
+_ON_PERIOD = "peft: on-period"  # a new object per enable; absent while the shim is off
 
 
-def _peft_function() -> Any:
+def _record_peft_function(originals: Mapping[str, Any]) -> None:
+    """Before any name is rebound: so the replacement's ``_skip`` works from the moment
+    stock code can find it, and keeps working in frames that hold it after a disable."""
+    function = originals["_init_on_device"]
+    SHARED[_PEFT_FUNCTION] = function
+    code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
+    SHARED[_PATCH_CODE] = tuple(
+        c for c in (code.co_consts if code else ()) if isinstance(c, CodeType)
+    )
+
+
+def _peft_function() -> Any | None:
+    """PEFT's own ``_init_on_device``: the one enable recorded or, never enabled, the one
+    PEFT's namespace still holds; None while PEFT is not imported."""
     function = SHARED.get(_PEFT_FUNCTION)
     if function is None:
+        home = sys.modules.get(_PEFT.home_module)
+        function = vars(home).get("_init_on_device") if home is not None else None
+        if _tag_of(function) is not None:
+            return None
+    return function
+
+
+def _peft_flag() -> Any:
+    return getattr(_peft_function(), "_skip", False)
+
+
+def _writable_peft_function() -> Any:
+    function = _peft_function()
+    if function is None:
         raise RuntimeError(
-            "metamode's PEFT _init_on_device was used before enable_for_peft() recorded "
-            "PEFT's own function; call metamode.enable_for_peft() first."
+            "metamode's replacement for PEFT's _init_on_device cannot set _skip: "
+            "peft.utils.integrations is not imported, so there is no PEFT flag to set; "
+            "call metamode.enable_for_peft() first."
         )
     return function
 
 
 def _skip_init_on_device() -> SkipEmptyWeights:
-    """metamode's replacement for ``peft.utils.integrations._skip_init_on_device``."""
+    """metamode's replacement for ``peft.utils.integrations._skip_init_on_device``.
+
+    Suspends the calling thread's metamode contexts; PEFT's process-wide flag is left alone.
+    """
     return skip_empty_weights()
 
 
@@ -100,6 +171,7 @@ _PEFT = Rebinding(
         "_init_on_device": _init_on_device,
         "_skip_init_on_device": _skip_init_on_device,
     },
+    before_rebinding=_record_peft_function,
 )
 
 
@@ -112,6 +184,15 @@ def enable_for_peft() -> tuple[str, ...]:
     than once. LoRA weights are still created on ``meta`` and materialised by
     ``set_peft_model_state_dict(..., low_cpu_mem_usage=True)``.
 
+    Toggling while another thread is inside PEFT is safe: no call raises, PEFT's
+    ``_init_on_device._skip`` ends where stock PEFT would leave it, and a block open
+    across the toggle places parameters as stock PEFT would, except in one case. A
+    parameter registered inside a stock PEFT block opened before the enable, inside a
+    metamode skip (PEFT's ``_skip_init_on_device`` while the shim is on), after a
+    ``disable_for_peft()`` has finished, goes to meta where stock would leave it (AdaLoRA's
+    ``ranknum``): PEFT's patch then reads only its own process-wide flag, which metamode's
+    skip leaves alone so that it cannot reach other threads.
+
     Returns the rebound ``module.name`` bindings.
 
     Raises:
@@ -120,17 +201,25 @@ def enable_for_peft() -> tuple[str, ...]:
             nothing was changed.
     """
     with _LOCK:
+        was_on = _PEFT.enabled
         bound = _PEFT.enable()
-        SHARED[_PEFT_FUNCTION] = _PEFT._originals["_init_on_device"]
+        if not was_on:
+            SHARED[_ON_PERIOD] = object()
         return bound
 
 
 def disable_for_peft() -> tuple[str, ...]:
     """Restore PEFT's original functions everywhere the shim put its own.
 
+    A replacement a frame already holds keeps working: its contexts stay metamode's (and
+    honour PEFT's flag from now on, as stock's would), its ``_skip`` stays PEFT's flag.
+    What a toggle cannot make right: :func:`enable_for_peft`.
+
     Returns the restored bindings (empty if the shim was not enabled).
     """
-    return _PEFT.disable()
+    with _LOCK:
+        SHARED.pop(_ON_PERIOD, None)
+        return _PEFT.disable()
 
 
 def peft_enabled() -> bool:

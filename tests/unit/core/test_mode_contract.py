@@ -33,6 +33,7 @@ from metamode._core import stack as _stack
 from metamode._core.modes import EmptyWeights, KeepRegistered, SkipEmptyWeights, ThreadScopedMode
 from metamode._core.stack import stack_depth
 from metamode._torch import pop_mode
+from metamode.integrations import peft as _peft_shim
 from metamode.integrations._exact_skip import SkipLibraryInit
 from metamode.integrations.transformers import LinspaceOnCpu, NoInitWeights, NoTieWeights
 from metamode.lab.threads import WAIT_S
@@ -47,6 +48,7 @@ FACTORIES: dict[type[ThreadScopedMode], Callable[[], ThreadScopedMode]] = {
     SkipLibraryInit: lambda: SkipLibraryInit(frozenset({"normal_"})),
     NoInitWeights: lambda: NoInitWeights(frozenset({"normal_"})),
     NoTieWeights: lambda: NoTieWeights(None),
+    _peft_shim._ShimEmptyWeights: _peft_shim.init_empty_weights,
 }
 # Bases that are never entered themselves (their subclasses are in FACTORIES).
 ABSTRACT = {KeepRegistered}
