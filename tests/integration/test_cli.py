@@ -1,4 +1,4 @@
-"""``python -m metamode ...`` as a user runs it, in subprocesses (issue 12, section 7)."""
+"""``python -m metamode ...`` as a user runs it, in subprocesses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Intended global changes by torch and the libraries are not findings (issue 12, section 3).
+"""Intended global changes by torch and the libraries are not findings.
 
 One test per entry of ``metamode._diagnostics.known_changes.KNOWN_CHANGES``: the real
 library makes the change in a fresh interpreter (the change is permanent, so

@@ -1,5 +1,5 @@
-"""Issue 12 §2, §6, §7: toggling shims while stock contexts are in flight, reloads,
-``include_buffers`` checking, and the public ``is_enabled`` / ``enabled`` API."""
+"""Toggling shims while stock contexts are in flight, reloads, ``include_buffers``
+checking, and the public ``is_enabled`` / ``enabled`` API."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _hold_open(context, entered: threading.Event, release: threading.Event, erro
 
 @pytest.mark.parametrize("toggle", ["enable mid-block", "disable mid-block"])
 def test_toggling_peft_shim_while_stock_skip_context_is_open_leaves_no_stuck_flag(toggle):
-    """The issue's snippet, with another thread really inside the stock context."""
+    """A toggle while another thread is really inside the stock context."""
     stock_skip = peft_integrations._skip_init_on_device  # bound before any toggle
     assert not metamode.is_enabled("peft")
     if toggle == "disable mid-block":
@@ -136,7 +136,7 @@ def test_is_enabled_and_scoped_enabled():
 
 
 def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monkeypatch):
-    """Issue 10 §1: a version with nothing to route is not an error; enable() says why."""
+    """A version with nothing to route is not an error; enable() says why."""
     import transformers.initialization as initialization
 
     from metamode.integrations import _registry
