@@ -344,16 +344,21 @@ class EmptyWeights(ThreadScopedMode):
                 "recording of the build is incomplete"
             )
 
-    # Called by the registration hooks, always in the owner thread.
     def place_parameter(
         self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
     ) -> torch.nn.Parameter | None:
+        """What to register in place of ``param``: its twin on ``device``, or None to keep
+        ``param`` (already there). One original maps to one twin for the context's life,
+        so ties stay ties. Called by the registration hooks, in the owner thread only."""
         placed = None if _already_on(param, self.device) else self._memoised(param, moved_parameter)
         if self._trace is not None:
             self._trace.note_registered(param, placed, module, name)
         return placed
 
     def place_buffer(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """What to register in place of ``tensor``: with ``include_buffers=True`` its twin
+        on ``device``, else (or when already there) None to keep it. Called by the
+        registration hooks, in the owner thread only."""
         placed = None
         if self.include_buffers and not _already_on(tensor, self.device):
             placed = self._memoised(tensor, moved_tensor)
