@@ -81,11 +81,11 @@ def test_doctor_exit_codes_clean_findings_and_unimportable(tmp_path):
         assert done.stderr == f"python -m metamode doctor: error: --import {module}: {error}\n"
 
 
-def test_exit_codes_are_in_the_help_and_the_readme():
+def test_exit_codes_are_in_the_help_and_the_tools_guide():
     done = _metamode("doctor", "--help")
     assert "2 a --import module could not be imported" in " ".join(done.stdout.split())
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "exit 0 clean, 1 findings, 2 a `--import` module could not be imported" in readme
+    guide = " ".join((ROOT / "docs" / "guides" / "tools.md").read_text().split())
+    assert "exit 0 clean, 1 findings, 2 a `--import` module could not be imported" in guide
 
 
 def _env_with(*extra_paths: str) -> dict[str, str]:

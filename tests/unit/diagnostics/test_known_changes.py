@@ -100,7 +100,7 @@ GPT2 = textwrap.dedent(
         assert model.transformer.h[0].attn.c_attn.weight.device.type == "cpu"
 
     # One worker: concurrent builds race in transformers' own init guard
-    # (README, Limitations); this is about the permanent smart_apply only.
+    # (docs/limitations.md); this is about the permanent smart_apply only.
     report = hammer(build, threads=1, rounds=2)
     found = metamode.doctor()
     repaired = metamode.doctor(repair=True)

@@ -409,7 +409,7 @@ print(json.dumps(stress_loads({directory!r}, {rounds!r})))
 @pytest.mark.slow  # a subprocess
 def test_concurrent_loads_stress_leak_nothing(tmp_path):
     """In a subprocess: concurrent loads still race on transformers' other global
-    patches (``torch.nn.init`` around ``initialize_weights``; README, Limitations)."""
+    patches (``torch.nn.init`` around ``initialize_weights``; docs/limitations.md)."""
     result = run_python(
         _STRESS_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path), rounds=_STRESS_ROUNDS)
     )
