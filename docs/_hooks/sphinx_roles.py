@@ -26,15 +26,16 @@ def _all(path: Path) -> list[str]:
     return []
 
 
-_PUBLIC = {f"metamode.{n}": f"metamode.{n}" for n in _all(_PACKAGE / "__init__.py")}
-_PUBLIC.update({f"metamode.testing.{n}": f"metamode.testing.{n}" for n in _all(_PACKAGE / "testing.py")})
+_PUBLIC = {f"metamode.{name}" for name in _all(_PACKAGE / "__init__.py")} | {
+    f"metamode.testing.{name}" for name in _all(_PACKAGE / "testing.py")
+}
 _BY_SHORT_NAME = {path.rsplit(".", 1)[1]: path for path in _PUBLIC}
 
 
 def _markdown(match: re.Match[str]) -> str:
     short, target = match.group(1) == "~", match.group(2)
     shown = target.rsplit(".", 1)[-1] if short else target
-    path = _PUBLIC.get(target) or _BY_SHORT_NAME.get(target)
+    path = target if target in _PUBLIC else _BY_SHORT_NAME.get(target)
     return f"[`{shown}`][{path}]" if path else f"`{shown}`"
 
 
