@@ -52,7 +52,7 @@ _EXPORTS = {
 _SUBMODULES = ("testing", "integrations")
 
 if _typing.TYPE_CHECKING:
-    from metamode import integrations, testing  # noqa: F401
+    from metamode import integrations, testing
     from metamode._contexts.default_dtype import default_dtype
     from metamode._contexts.empty_weights import (
         active,
@@ -146,6 +146,7 @@ __all__ = [
     "disable_for_diffusers",
     "enable_for_transformers",
     "disable_for_transformers",
+    "integrations",
     # inspection
     "doctor",
     "summary",

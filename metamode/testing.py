@@ -1,5 +1,6 @@
 """Testing helpers for code that builds models on ``meta``: :func:`hammer`, e.g. for a
-tuner's ``low_cpu_mem_usage`` path (README, "Test your tuner's low_cpu_mem_usage path").
+tuner's ``low_cpu_mem_usage`` path (docs/guides/tools.md, "Test your tuner's
+low_cpu_mem_usage path").
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ class HammerReport:
 
     @property
     def ok(self) -> bool:
+        """True when no round failed."""
         return not self.failures
 
     @property
     def first_failure(self) -> HammerFailure | None:
+        """The first failure recorded, or None when ``ok``."""
         return self.failures[0] if self.failures else None
 
     def __str__(self) -> str:

@@ -216,7 +216,7 @@ def default_dtype(dtype: torch.dtype) -> DefaultDtype:
 
     So the parameters of ``nn.Linear`` come out in ``dtype``. Nothing changes for other
     threads, and ``torch.get_default_dtype()`` keeps the process-wide value; what else the
-    context cannot reach: README, "Limitations". Nested contexts: the innermost wins.
+    context cannot reach: docs/limitations.md. Nested contexts: the innermost wins.
 
     Args:
         dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or

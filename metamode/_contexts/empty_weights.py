@@ -39,7 +39,7 @@ def empty_weights(
         replayable: also record the build (device meta only), so that
             :func:`metamode.materialize` can later give every tensor exactly
             the values eager construction would have. Costs 1.4-2.5x build
-            time (README, benchmarks), hence opt-in.
+            time (docs/benchmarks.md), hence opt-in.
 
     Returns a single-use context; as a decorator, each call gets a fresh one.
     Within one context, a parameter registered twice maps to the same moved

@@ -86,6 +86,7 @@ def skip_init(_bare: object = None, /) -> SkipInit:
     Raises:
         TypeError: used as ``@metamode.skip_init`` without parentheses, or given an argument.
 
+    Examples:
         >>> with metamode.skip_init():
         ...     layer = torch.nn.Linear(4096, 4096)   # no kaiming_uniform_ pass
         >>> layer.load_state_dict(checkpoint)

@@ -360,11 +360,13 @@ class EmptyWeights(ThreadScopedMode):
                 "recording of the build is incomplete"
             )
 
-    # Called by the registration hooks, always in the owner thread.
     def place_parameter(
         self, param: torch.nn.Parameter, module: Any = None, name: str | None = None
     ) -> torch.nn.Parameter | None:
-        """The tensor to register in ``param``'s place (None: ``param`` itself)."""
+        """What to register in place of ``param``: its twin on ``device``, or None to keep
+        ``param`` (already there, or left in place by a subclass). One original maps to one
+        twin for the context's life, so ties stay ties. Called by the registration hooks,
+        in the owner thread only."""
         placed = None
         if not _already_on(param, self.device) and not self._leaves_in_place(param):
             placed = self._memoised(param, moved_parameter)
@@ -379,7 +381,9 @@ class EmptyWeights(ThreadScopedMode):
     def place_buffer(
         self, tensor: torch.Tensor, module: Any = None, name: str | None = None
     ) -> torch.Tensor | None:
-        """The tensor to register in ``tensor``'s place (None: ``tensor`` itself)."""
+        """What to register in place of ``tensor``: with ``include_buffers=True`` its twin
+        on ``device``, else (or when already there) None to keep it. Called by the
+        registration hooks, in the owner thread only."""
         placed = None
         if self.include_buffers and not _already_on(tensor, self.device):
             placed = self._memoised(tensor, moved_tensor)

@@ -1,7 +1,7 @@
 """Shim for accelerate's ``init_empty_weights`` / ``init_on_device``: rebound, by identity,
 in accelerate and in every imported accelerate, diffusers, transformers and PEFT module
 that bound them. What stock does: docs/design.md, "Shims"; names bound in your own
-modules: README, "Limitations".
+modules: docs/limitations.md.
 """
 
 from __future__ import annotations

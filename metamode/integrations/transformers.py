@@ -5,7 +5,7 @@
 ``modeling_utils.no_init_weights`` and ``_init_weights`` and
 ``integrations.accelerate.init_empty_weights``/``init_on_device``. What each stock context
 does and why these names: docs/design.md, "transformers versions"; what stays
-process-global: README, "Limitations".
+process-global: docs/limitations.md.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class NoTieWeights(KeepRegistered):
     undone as it is made and the model keeps the separate parameters stock's no-op leaves it.
     Overrides of ``tie_weights`` in model classes run as under stock: ties they make themselves
     are kept, their ``super().tie_weights()`` is not. Remaining differences from stock's no-op:
-    README, "Limitations".
+    docs/limitations.md.
     """
 
     def __init__(self, filename: str | None) -> None:
@@ -264,7 +264,7 @@ def enable_for_transformers() -> tuple[str, ...]:
     and ``no_tie_weights``, where they exist, to contexts acting in the calling thread only
     (device-less ``torch.linspace`` calls go to cpu; ``PreTrainedModel.tie_weights`` does
     not tie). Concurrent ``from_pretrained`` calls are still not safe: the default dtype and
-    ``torch.nn.init`` stay process-wide (README, "Limitations"). A 5.x with neither name is
+    ``torch.nn.init`` stay process-wide (docs/limitations.md). A 5.x with neither name is
     left alone: returns ``()`` and says why in ``EnableResult.left_alone``.
 
     transformers 4.x: rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` and

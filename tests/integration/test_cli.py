@@ -1,4 +1,4 @@
-"""``python -m metamode ...`` as a user runs it, in subprocesses (issue 12, section 7)."""
+"""``python -m metamode ...`` as a user runs it, in subprocesses."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,51 @@ def test_doctor_exit_codes_clean_findings_and_unimportable(tmp_path):
         assert done.stderr == f"python -m metamode doctor: error: --import {module}: {error}\n"
 
 
-def test_exit_codes_are_in_the_help_and_the_readme():
+def test_exit_codes_are_in_the_help_and_the_tools_guide():
     done = _metamode("doctor", "--help")
     assert "2 a --import module could not be imported" in " ".join(done.stdout.split())
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "exit 0 clean, 1 findings, 2 a `--import` module could not be imported" in readme
+    guide = " ".join((ROOT / "docs" / "guides" / "tools.md").read_text().split())
+    assert "exit 0 clean, 1 findings, 2 a `--import` module could not be imported" in guide
+
+
+def _env_with(*extra_paths: str) -> dict[str, str]:
+    paths = [str(REPO), *extra_paths, os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def test_doctor_import_through_the_cli(tmp_path):
+    clean = subprocess.run(
+        [sys.executable, "-m", "metamode", "doctor", "--import", "peft"],
+        env=_env_with(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "clean" in clean.stdout
+    (tmp_path / "patches_on_import.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+
+            _torchs = nn.Module.register_parameter
+
+
+            def register_parameter(self, name, param):
+                return _torchs(self, name, param)
+
+
+            nn.Module.register_parameter = register_parameter
+            """
+        )
+    )
+    dirty = subprocess.run(
+        [sys.executable, "-m", "metamode", "doctor", "--import", "patches_on_import"],
+        env=_env_with(str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dirty.returncode == 1, dirty.stdout + dirty.stderr
+    assert "torch.nn.Module.register_parameter: is not torch's own" in dirty.stdout
+    assert "left by: patches_on_import.register_parameter" in dirty.stdout

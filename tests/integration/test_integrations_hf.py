@@ -682,8 +682,8 @@ def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
     else:
         assert result["float32_model_differs"] == ["lm_head.weight differs (meta, torch.float32)"]
         assert result["later_load_lm_head_device"] == "meta"
-    # Not fixable without assigning class attributes or torch functions (README,
-    # "Limitations"), so identical with and without metamode:
+    # Not fixable without assigning class attributes or torch functions
+    # (docs/limitations.md), so identical with and without metamode:
     assert result["default_dtype_after"] == "torch.float16"  # B restored A's float16
     assert result["float16_model_differs"], "A built part of its model in float32"
     if enable:

@@ -37,9 +37,9 @@ KERNEL_NAME = "metamode-under-test"
 CELL_TIMEOUT_S = 300  # a guard against a hung cell; each notebook takes well under a minute
 
 
-# The README's strip command. Besides outputs and execution counts, it drops what a
-# run records about the machine (run metadata, the Python version) and keeps the
-# committed cell ids.
+# The strip command of docs/development/index.md. Besides outputs and execution counts,
+# it drops what a run records about the machine (run metadata, the Python version) and
+# keeps the committed cell ids.
 NBSTRIPOUT = [
     "nbstripout",
     "--keep-id",
@@ -105,14 +105,18 @@ def test_notebook_is_committed_stripped(path: Path) -> None:
     for cell in notebook.cells:
         where = f"{path.name} cell {cell.id}"
         if cell.cell_type == "code":
-            assert cell.outputs == [], f"{where} has outputs: run nbstripout (see README)"
+            assert cell.outputs == [], (
+                f"{where} has outputs: run nbstripout (see docs/development/index.md)"
+            )
             assert cell.execution_count is None, f"{where} has an execution count"
         tags = cell.metadata.get("tags", [])
         assert "raises-exception" not in tags, f"{where} may fail; notebooks must run cleanly"
     verify = subprocess.run(
         [sys.executable, "-m", *NBSTRIPOUT, "--verify", str(path)], capture_output=True, text=True
     )
-    assert verify.returncode == 0, f"{verify.stdout}{verify.stderr}run nbstripout (see README)"
+    assert verify.returncode == 0, (
+        f"{verify.stdout}{verify.stderr}run nbstripout (see docs/development/index.md)"
+    )
 
 
 @pytest.mark.slow

@@ -8,11 +8,17 @@ what their leaking tests change is put back here, so the suite's own guard
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from tests.conftest import REPO
 
 pytest_plugins = ["pytester"]
 
@@ -160,3 +166,35 @@ def test_metamode_clean_fixture_checks_one_test(pytester, restore_torch):
     result.stdout.fnmatch_lines(
         ["*ERROR at teardown of test_leaks*", "*default dtype torch.float32 -> torch.float64*"]
     )
+
+
+# -- the pytest11 entry point, and -p no:metamode (a fresh pytest in a subprocess) ---------
+
+
+def _pytest_in_subprocess(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_pytest_plugin_loads_through_its_entry_point_and_can_be_disabled(tmp_path):
+    entry_points = importlib.metadata.entry_points(group="pytest11")
+    assert [ep.value for ep in entry_points if ep.name == "metamode"] == [
+        "metamode._tools.pytest_plugin"
+    ], "metamode is not installed with its pytest11 entry point (pip install -e .)"
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    # No -p: only the entry point can add --metamode-strict.
+    loaded = _pytest_in_subprocess(tmp_path, "-c", "pytest.ini", "--metamode-strict", ".")
+    assert loaded.returncode == 0 and "1 passed" in loaded.stdout, loaded.stdout + loaded.stderr
+    disabled = _pytest_in_subprocess(
+        tmp_path, "-c", "pytest.ini", "-p", "no:metamode", "--metamode-strict", "."
+    )
+    assert disabled.returncode == 4, disabled.stdout + disabled.stderr
+    assert "unrecognized arguments: --metamode-strict" in disabled.stderr

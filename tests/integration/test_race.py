@@ -4,8 +4,8 @@ Three Events force the interleaving A enters, B enters, A exits, B builds a
 Linear, B exits; then the main thread and a fresh thread build Linears. Stock
 PEFT (a copy of accelerate's patch/restore) loses B's live patch, leaks A's
 wrapper forever, and puts every later Linear on meta. The stock run happens in
-a subprocess (it corrupts its interpreter) and proves the same assertions
-would fail on the old behaviour.
+a subprocess (it corrupts its interpreter) and shows the same assertions
+fail there.
 """
 
 from __future__ import annotations

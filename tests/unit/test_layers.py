@@ -1,4 +1,4 @@
-"""The package's layers import downwards only (README, "Layout").
+"""The package's layers import downwards only (docs/design.md, "Layout").
 
 Parses every module under ``metamode/`` (no imports run) and fails on an import
 of a higher layer, including function-level imports.

@@ -257,3 +257,44 @@ def test_default_dtype_returns_a_default_dtype_context():
     context = metamode.default_dtype(torch.float16)
     assert isinstance(context, DefaultDtype)
     assert repr(context) == "metamode.default_dtype(torch.float16)"
+
+
+# -- mixed data: Python numbers, NumPy scalars and tensors in one call -------------------------
+
+MIXED_DATA: dict[str, Callable[[], torch.Tensor]] = {
+    "tensor([1.5, tensor(2.)])": lambda: torch.tensor([1.5, torch.tensor(2.0)]),
+    "tensor([np.float32, float])": lambda: torch.tensor([np.float32(1.5), 2.5]),
+    "full(np.bool_)": lambda: torch.full((1,), np.bool_(True)),
+    "arange(np.bool_)": lambda: torch.arange(np.bool_(True)),
+    "full(np.uint8)": lambda: torch.full((1,), np.uint8(1)),
+    "full(np.float16)": lambda: torch.full((1,), np.float16(1)),
+    "tensor([np.int32, float])": lambda: torch.tensor([np.int32(1), 2.5]),
+    "tensor([np.float16, float])": lambda: torch.tensor([np.float16(1), 2.5]),
+    "tensor([np.bool_, float])": lambda: torch.tensor([np.bool_(True), 2.5]),
+    "tensor([float, float64 tensor])": lambda: torch.tensor(
+        [1.5, torch.tensor(2.0, dtype=torch.float64)]
+    ),
+    "tensor([float, bfloat16 tensor])": lambda: torch.tensor(
+        [1.5, torch.tensor(2.0, dtype=torch.bfloat16)]
+    ),
+    "tensor([int tensor, float])": lambda: torch.tensor([torch.tensor(2), 1.5]),
+    "tensor([[float], [float32 1-d tensor]])": lambda: torch.tensor([[1.5], torch.ones(1)]),
+    "as_tensor([float, tensor])": lambda: torch.as_tensor([1.5, torch.tensor(2.0)]),
+    "asarray([np.float32, float])": lambda: torch.asarray([np.float32(1.5), 2.5]),
+    "tensor([np.uint8])": lambda: torch.tensor([np.uint8(1)]),
+    "tensor([[], []])": lambda: torch.tensor([[], []]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_default_dtype_matches_set_default_dtype_on_mixed_data(dtype):
+    # The first three cases are where a rule reading only the Python types goes wrong:
+    # torch gives float16 / float64 / float64 under those defaults.
+    mismatches = []
+    for name, call in MIXED_DATA.items():
+        expected = _under_torchs_default(dtype, call).dtype
+        with metamode.default_dtype(dtype):
+            got = call().dtype
+        if got != expected:
+            mismatches.append(f"{name}: {got}, torch's default gives {expected}")
+    assert mismatches == []

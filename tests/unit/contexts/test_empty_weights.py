@@ -161,6 +161,52 @@ def test_tie_memory_is_per_context():
     assert a.w is not b.w
 
 
+@pytest.mark.parametrize("device", ["meta:0", "cpu:0", "meta", "cpu"])
+def test_ties_hold_with_indexed_devices(device):
+    # A placed parameter reports no device index: it must not count as "not yet
+    # on the target" and be moved (and untied) again.
+    with metamode.empty_weights(device=device):
+        a = nn.Linear(2, 2)
+        b = nn.Module()
+        b.w = a.weight
+    assert b.w is a.weight
+    assert a.weight.device.type == torch.device(device).type
+
+
+# Fails if EmptyWeights._memoised moves every registration afresh (no tie memo).
+
+
+class SharedEmbeddingLM(nn.Module):
+    """Input and output embeddings share one Parameter created before either module holds it."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4) -> None:
+        super().__init__()
+        shared = nn.Parameter(torch.empty(vocab, dim))
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed.weight = shared
+        self.head.weight = shared
+
+
+def test_tie_made_before_meta_stays_tied():
+    eager = SharedEmbeddingLM()
+    assert eager.head.weight is eager.embed.weight
+    with metamode.empty_weights():
+        model = SharedEmbeddingLM()
+    assert model.head.weight is model.embed.weight and model.embed.weight.is_meta
+    assert [name for name, _ in model.named_parameters()] == ["embed.weight"]
+
+
+def test_one_original_in_two_modules_of_one_context_maps_to_one_parameter():
+    shared = nn.Parameter(torch.empty(3, 3))
+    with metamode.empty_weights():
+        first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+        first.weight = shared
+        second.weight = shared
+    assert first.weight is second.weight and first.weight.is_meta
+    assert shared.device.type == "cpu"
+
+
 # -- nesting and skip -------------------------------------------------------------
 
 
@@ -267,6 +313,35 @@ def test_accelerate_signature_alias_reads_the_env(monkeypatch):
         metamode.init_empty_weights()
 
 
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda: metamode.empty_weights("cpu"), r"Did you mean empty_weights\(device='cpu'\)\?"),
+        (
+            lambda: metamode.empty_weights(torch.device("meta")),
+            r"Did you mean empty_weights\(device='meta'\)\?",
+        ),
+    ],
+)
+def test_positional_device_says_what_was_meant(call, says):
+    # The first positional argument is include_buffers: a device there is a slip.
+    with pytest.raises(TypeError, match=says):
+        call()
+
+
+def test_init_on_device_passes_include_buffers_on():
+    context = metamode.init_on_device("meta", include_buffers=True)
+    assert context.include_buffers is True and context.device == torch.device("meta")
+    assert metamode.init_on_device("meta", include_buffers=False).include_buffers is False
+
+
+def test_reprs_name_the_settings():
+    assert repr(metamode.empty_weights(device="cpu")) == (
+        "metamode.empty_weights(device='cpu', include_buffers=False)"
+    )
+    assert repr(metamode.skip_empty_weights()) == "metamode.skip_empty_weights()"
+
+
 # -- global state ----------------------------------------------------------------------------------
 
 
@@ -315,3 +390,52 @@ def test_context_does_not_leak_into_other_threads():
         assert nn.Linear(2, 2).weight.is_meta
     thread.join()
     assert seen == {"device": "cpu", "factory": "cpu", "active": None}
+
+
+# Fails if a context is process-global (e.g. active_empty_weights ignoring the thread).
+
+
+def test_bystander_thread_is_unaffected_while_two_contexts_overlap():
+    a_entered, b_entered, checked = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def context_thread(name: str, entered: threading.Event, wait_for: threading.Event) -> None:
+        try:
+            with metamode.empty_weights():
+                entered.set()
+                assert wait_for.wait(30)
+                seen[name] = nn.Linear(2, 2).weight.device.type
+        except BaseException as error:
+            errors.append(error)
+
+    def bystander() -> None:
+        try:
+            assert a_entered.wait(30) and b_entered.wait(30)
+            seen["bystander_active"] = metamode.active()
+            seen["bystander_linear"] = nn.Linear(2, 2).weight.device.type
+            seen["bystander_factory"] = torch.empty(1).device.type
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            checked.set()
+
+    threads = [
+        threading.Thread(target=context_thread, args=("a", a_entered, checked)),
+        threading.Thread(target=context_thread, args=("b", b_entered, checked)),
+        threading.Thread(target=bystander),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert seen == {
+        "bystander_active": None,
+        "bystander_linear": "cpu",
+        "bystander_factory": "cpu",
+        "a": "meta",
+        "b": "meta",
+    }
+    # The main thread, also a bystander, saw nothing either.
+    assert metamode.active() is None

@@ -30,7 +30,7 @@ def _ties(module: nn.Module) -> list[list[str]]:
 
 
 def assert_eager_equal(build, include_buffers: bool, seed: int = 0) -> nn.Module:
-    """The issue's bar: seed, build eagerly; seed, build empty, materialize; compare bitwise."""
+    """The bar: seed, build eagerly; seed, build empty, materialize; compare bitwise."""
     torch.manual_seed(seed)
     ref = build()
     torch.manual_seed(seed)

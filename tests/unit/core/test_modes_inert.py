@@ -1,10 +1,9 @@
 """A context whose exit is refused (another thread closed it) stops acting in its owner.
 
-Issue 12 section 4: a generator holding a context, closed or garbage-collected in
-another thread, used to leave the context active in the thread that entered it for
-good. Every test here fails on the code before the fix: the owner kept building on
-meta (or in float64, or skipping init), ``active()`` reported the context, and the
-owner's next ``with`` exit raised an out-of-order error.
+A generator holding a context, closed or garbage-collected in another thread, must not
+leave the context active in the thread that entered it. Were it left active, the owner
+would keep building on meta (or in float64, or skipping init), ``active()`` would report
+the context, and the owner's next ``with`` exit would raise an out-of-order error.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def test_garbage_collected_in_other_thread(monkeypatch):
 
 
 def test_owner_with_block_exits_cleanly_past_an_inert_mode():
-    # Before the fix the inert mode sat above the outer block, whose exit then
-    # raised "exited while ... (entered after it) is still active".
+    # The inert mode sits above the outer block; left there, the outer exit would
+    # raise "exited while ... (entered after it) is still active".
     with metamode.empty_weights(device="cpu") as outer:
         gen = _held(metamode.empty_weights)
         next(gen)
@@ -188,7 +187,7 @@ def test_refused_exit_retried_in_owner_finishes_quietly():
     worker.join()
     assert failed.is_set()
     assert torch.zeros(1).dtype == torch.float32
-    context.__exit__(None, None, None)  # the fix: exit it in the owner
+    context.__exit__(None, None, None)  # the remedy: exit it in the owner
     assert stack_depth() == 0
     with pytest.raises(ContextMisuseError, match="not active"):
         context.__exit__(None, None, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -48,3 +49,34 @@ def test_default_device_change_is_seen():
     finally:
         torch.set_default_device(None)
     assert any(change.startswith("default device") for change in changes)
+
+
+def test_guard_reports_a_replaced_tensor_method():
+    before = snapshot()
+    original = vars(torch.Tensor)["register_hook"]
+    setattr(torch.Tensor, "register_hook", lambda self, hook: None)  # noqa: B010 (planted)
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        setattr(torch.Tensor, "register_hook", original)  # noqa: B010
+    assert changes == ["torch.Tensor.register_hook replaced"], changes
+    assert snapshot().changes_since(before) == []
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer", "module"])
+def test_guard_reports_an_added_global_hook(kind):
+    from torch.nn.modules import module as torch_module
+
+    register = {
+        "parameter": torch_module.register_module_parameter_registration_hook,
+        "buffer": torch_module.register_module_buffer_registration_hook,
+        "module": torch_module.register_module_module_registration_hook,
+    }[kind]
+    before = snapshot()
+    handle = register(lambda *args: None)
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        handle.remove()
+    assert changes, f"a new global {kind} registration hook went unnoticed"
+    assert snapshot().changes_since(before) == []

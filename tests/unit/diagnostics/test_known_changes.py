@@ -1,4 +1,4 @@
-"""Intended global changes by torch and the libraries are not findings (issue 12, section 3).
+"""Intended global changes by torch and the libraries are not findings.
 
 One test per entry of ``metamode._diagnostics.known_changes.KNOWN_CHANGES``: the real
 library makes the change in a fresh interpreter (the change is permanent, so
@@ -100,7 +100,7 @@ GPT2 = textwrap.dedent(
         assert model.transformer.h[0].attn.c_attn.weight.device.type == "cpu"
 
     # One worker: concurrent builds race in transformers' own init guard
-    # (README, Limitations); this is about the permanent smart_apply only.
+    # (docs/limitations.md); this is about the permanent smart_apply only.
     report = hammer(build, threads=1, rounds=2)
     found = metamode.doctor()
     repaired = metamode.doctor(repair=True)

@@ -22,8 +22,8 @@ def test_flag_reads_false_only_inside_a_no_init_weights_context():
 
 
 def test_flag_is_true_again_after_an_out_of_order_exit():
-    # Before: each context restored the value it saw on entry, so exiting a, then c, then b
-    # left False for good in this thread (every later from_pretrained skipped init_weights).
+    # A context that restored the value it saw on entry would leave False for good after
+    # exiting a, then c, then b (every later from_pretrained would skip init_weights).
     flag = InitWeightsFlag(True)
     a, b, c = NoInitWeights(NAMES), NoInitWeights(NAMES), NoInitWeights(NAMES)
     a.__enter__()

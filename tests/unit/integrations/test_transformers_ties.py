@@ -1,6 +1,6 @@
 """transformers 5's ``no_tie_weights``: stock leaks its no-op; metamode's is thread-scoped.
 
-Issue 10: ``transformers.initialization.no_tie_weights()`` (entered by
+``transformers.initialization.no_tie_weights()`` (entered by
 ``from_pretrained`` while it builds the model) assigns
 ``PreTrainedModel.tie_weights`` a no-op and restores what it captured. When
 two loads overlap -- A enters, B enters (capturing A's no-op), A exits, B
@@ -268,7 +268,7 @@ def gpt2_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def _transformers_initialised_once() -> None:
     """transformers' first cpu init adds nn.Module.smart_apply (its own, known class
-    change, issue 12 §3): make it happen before the per-test torch-state guard."""
+    change): make it happen before the per-test torch-state guard."""
     from transformers import GPT2LMHeadModel
 
     GPT2LMHeadModel(gpt2_config())
@@ -409,7 +409,7 @@ print(json.dumps(stress_loads({directory!r}, {rounds!r})))
 @pytest.mark.slow  # a subprocess
 def test_concurrent_loads_stress_leak_nothing(tmp_path):
     """In a subprocess: concurrent loads still race on transformers' other global
-    patches (``torch.nn.init`` around ``initialize_weights``; README, Limitations)."""
+    patches (``torch.nn.init`` around ``initialize_weights``; docs/limitations.md)."""
     result = run_python(
         _STRESS_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path), rounds=_STRESS_ROUNDS)
     )

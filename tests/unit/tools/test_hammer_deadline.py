@@ -1,4 +1,4 @@
-"""hammer gives up on a deadlocked round after one deadline (issue 12, section 6).
+"""hammer gives up on a deadlocked round after one deadline.
 
 The deadlock is forced, not hoped for: ``fn`` blocks on an Event that is set
 only after ``hammer`` has returned, so the round can never finish in time.

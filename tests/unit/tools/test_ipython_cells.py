@@ -1,4 +1,4 @@
-"""``%%empty_weights`` behaves like other cell magics (issue 12, section 7).
+"""``%%empty_weights`` behaves like other cell magics.
 
 In-process ``InteractiveShell`` (tests/unit/tools/test_ipython.py runs a real kernel for
 the rest): a trailing ``;`` suppresses the output, and a traceback from the
