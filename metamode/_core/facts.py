@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType, FunctionType
@@ -35,6 +36,8 @@ __all__ = [
     "meta_branch",
     "meta_shortcut",
     "register_meta_branch",
+    "register_stand_in",
+    "stand_in_rule",
     "stand_in_for",
 ]
 
@@ -100,6 +103,8 @@ _QUERY_METHODS = frozenset(
         "is_same_size",
         "dim_order",
         "data_ptr",
+        "requires_grad_",
+        "retain_grad",
         "untyped_storage",
         "__len__",
         "__hash__",
@@ -202,6 +207,8 @@ def fact_of(func: Any) -> Fact:
 
 def _classify(func: Any) -> Fact:
     name = getattr(func, "__name__", "") or ""
+    if isinstance(func, type) and not issubclass(func, torch.Tensor):
+        return _QUERY_FACT  # torch.device(...), torch.Size(...)
     if name in ("__get__", "__set__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
         if name == "__get__" and prop == "is_meta":
@@ -257,6 +264,27 @@ def stand_in_for(func: Any) -> Callable[..., Any] | None:
         return None
     original = _TORCH_INIT_FUNCTIONS.get(func.__name__)
     return original if original is not None and _INIT.get(func.__name__) is func else None
+
+
+# Libraries' stand-ins whose behaviour their library states: (is it one of theirs?, does
+# this call run torch's function?), registered by metamode.integrations.
+_STAND_IN_RULES: list[tuple[Callable[[Any], bool], Callable[[tuple, dict], bool]]] = []
+
+
+def register_stand_in(
+    ours: Callable[[Any], bool], runs_original: Callable[[tuple, dict], bool]
+) -> None:
+    """Say that a stand-in ``ours(func)`` recognises runs torch's function exactly when
+    ``runs_original(args, kwargs)``, and otherwise returns its tensor untouched."""
+    if all(registered is not ours for registered, _ in _STAND_IN_RULES):
+        _STAND_IN_RULES.append((ours, runs_original))
+
+
+def stand_in_rule(func: Any) -> Callable[[tuple, dict], bool] | None:
+    for ours, runs_original in _STAND_IN_RULES:
+        if ours(func):
+            return runs_original
+    return None
 
 
 def _is_tensor_method(func: Any) -> bool:
@@ -396,11 +424,18 @@ def register_meta_branch(codes: Callable[[], list[CodeType]], why: str) -> None:
     meta, away from eager construction (``why`` says what they do)."""
     if all(registered is not codes for registered, _ in _META_BRANCHES):
         _META_BRANCHES.append((codes, why))
+        _KNOWN_FOR[0] = -1
+
+
+_KNOWN_BRANCHES: dict[CodeType, str] = {}
+_KNOWN_FOR = [-1]  # the size of sys.modules when _KNOWN_BRANCHES was gathered
 
 
 def meta_branch(code: CodeType) -> str | None:
     """Why the library code ``code`` builds otherwise on meta, if it is known to."""
-    for codes, why in _META_BRANCHES:
-        if code in codes():
-            return why
-    return None
+    if _KNOWN_FOR[0] != len(sys.modules):  # a library was imported since: ask again
+        _KNOWN_BRANCHES.clear()
+        for codes, why in _META_BRANCHES:
+            _KNOWN_BRANCHES.update(dict.fromkeys(codes(), why))
+        _KNOWN_FOR[0] = len(sys.modules)
+    return _KNOWN_BRANCHES.get(code)

@@ -338,16 +338,24 @@ class EmptyWeights(ThreadScopedMode):
                 return target, True
         return func(*args, **kwargs), False
 
+    def skips(self, func, args, kwargs) -> torch.Tensor | None:
+        """The tensor this context returns in place of running ``func``, or None."""
+        if self._skip_init and not self._suspended:
+            return skipped_target(func, args, kwargs)
+        return None
+
     def _after_enter(self) -> None:
-        if not self.replayable:
-            return
-        for mode in _stack.modes_innermost_first():
-            if isinstance(mode, EmptyWeights) and mode is not self and not mode._inert:
-                if mode._recorder is not None:
-                    self._recorder = mode._recorder
-                    return
-        self._recorder = Recorder()
-        self._records = True
+        # A meta context entered while another records in this thread is part of that
+        # build: it joins the recording, replayable or not.
+        if self.device.type == "meta":
+            for mode in _stack.modes_innermost_first():
+                if isinstance(mode, EmptyWeights) and mode is not self and not mode._inert:
+                    if mode._recorder is not None:
+                        self._recorder = mode._recorder
+                        return
+        if self.replayable:
+            self._recorder = Recorder()
+            self._records = True
 
     def _before_exit(self) -> None:
         if self._records and self._recorder is not None:

@@ -24,10 +24,12 @@ __all__ = ["disable_for_peft", "enable_for_peft"]
 def init_empty_weights(include_buffers: bool | None = None) -> EmptyWeights:
     """metamode's replacement for ``peft.utils.integrations.init_empty_weights``.
 
-    Replayable: a new adapter made with ``low_cpu_mem_usage=True`` can be
-    given its eager values by :func:`metamode.materialize`.
+    Records nothing (a load overwrites what it builds), unless it runs inside a
+    ``metamode.empty_weights(replayable=True)`` block: then it joins that recording, and
+    :func:`metamode.materialize` can give a new adapter the values
+    ``low_cpu_mem_usage=False`` gives it.
     """
-    return _shim_context(_include_buffers(include_buffers), torch.device("meta"), replayable=True)
+    return _shim_context(_include_buffers(include_buffers), torch.device("meta"), replayable=False)
 
 
 def _include_buffers(value: bool | None) -> bool:

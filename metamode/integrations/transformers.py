@@ -18,7 +18,7 @@ import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
 from metamode._contexts.empty_weights import skip_empty_weights
-from metamode._core.facts import register_meta_branch
+from metamode._core.facts import register_meta_branch, register_stand_in
 from metamode._core import stack as _stack
 from metamode._core.modes import (
     EmptyWeights,
@@ -345,3 +345,16 @@ register_meta_branch(
     "eager construction does not; build with include_buffers=False, or call "
     "metamode.enable_for_transformers() first",
 )
+
+
+def _init_wrapper(func: object) -> bool:
+    return getattr(func, "__module__", None) == "transformers.initialization"
+
+
+def _runs_torch_init(args: tuple, kwargs: dict) -> bool:
+    """transformers' init functions skip a tensor marked ``_is_hf_initialized``."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    return not getattr(tensor, "_is_hf_initialized", False)
+
+
+register_stand_in(_init_wrapper, _runs_torch_init)

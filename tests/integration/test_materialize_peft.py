@@ -1,5 +1,6 @@
-"""PEFT's low_cpu_mem_usage=True, through metamode's shim, then materialize: the new
-adapter equals the one low_cpu_mem_usage=False builds under the same seed."""
+"""PEFT's low_cpu_mem_usage=True, through metamode's shim, inside a replayable block, then
+materialize: the new adapter equals the one low_cpu_mem_usage=False builds under the same
+seed."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def test_new_adapter_materializes_to_the_eager_adapter(peft_shim, name, how):
     base = Base()
     torch.manual_seed(1)
     ref = _adapt(how, copy.deepcopy(base), CONFIGS[name](), low_cpu_mem_usage=False)
+    adapted = copy.deepcopy(base)
     torch.manual_seed(1)
-    model = _adapt(how, copy.deepcopy(base), CONFIGS[name](), low_cpu_mem_usage=True)
+    with metamode.empty_weights(replayable=True):
+        model = _adapt(how, adapted, CONFIGS[name](), low_cpu_mem_usage=True)
     on_meta = {n for n, p in model.named_parameters() if p.is_meta}
     assert on_meta, "low_cpu_mem_usage=True should leave the new adapter on meta"
     assert metamode.is_materializable(model)

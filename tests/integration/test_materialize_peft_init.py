@@ -58,8 +58,12 @@ def _base() -> nn.Module:
 
 
 def _adapted(config, low_cpu_mem_usage: bool, base: nn.Module) -> nn.Module:
+    model = copy.deepcopy(base)
     torch.manual_seed(1)
-    return peft.get_peft_model(copy.deepcopy(base), config(), low_cpu_mem_usage=low_cpu_mem_usage)
+    if not low_cpu_mem_usage:
+        return peft.get_peft_model(model, config(), low_cpu_mem_usage=False)
+    with metamode.empty_weights(replayable=True):  # recorded, to be materialized
+        return peft.get_peft_model(model, config(), low_cpu_mem_usage=True)
 
 
 @pytest.mark.parametrize("name", ["dora", "orthogonal"])
@@ -80,7 +84,8 @@ def test_an_adapter_added_after_the_first_was_materialized(peft_shim, name):
     ref.add_adapter("b", CONFIGS[name](), low_cpu_mem_usage=False)
     model = _adapted(CONFIGS[name], True, base)
     materialize_exactly(model)
-    model.add_adapter("b", CONFIGS[name](), low_cpu_mem_usage=True)
+    with metamode.empty_weights(replayable=True):
+        model.add_adapter("b", CONFIGS[name](), low_cpu_mem_usage=True)
     assert any(p.is_meta for n, p in model.named_parameters() if ".b." in n or n.endswith(".b"))
     materialize_exactly(model, ref)
 
@@ -104,3 +109,10 @@ def test_mica_which_skips_its_init_on_meta_is_refused_naming_the_read(peft_shim)
     adapter = [n for n, p in model.named_parameters() if p.is_meta]
     assert any("lora_A" in n for n in adapter) and any("lora_B" in n for n in adapter)
     assert_refused(model, *adapter, because=r"is_meta|device")
+
+
+def test_an_adapter_built_outside_a_replayable_block_is_not_recorded(peft_shim):
+    # PEFT's low_cpu_mem_usage=True mostly loads adapters: the shim records nothing then
+    model = peft.get_peft_model(_base(), CONFIGS["lora"](), low_cpu_mem_usage=True)
+    adapter = [n for n, p in model.named_parameters() if p.is_meta]
+    assert_refused(model, *adapter, because="replayable=True")

@@ -151,7 +151,7 @@ class Call:
     covers: int | None = None
     refused: str | None = None
     default_dtype: torch.dtype | None = None  # the result's dtype came from the default
-    seq: int = field(default_factory=lambda: next(_SEQUENCE))
+    seq: int = -1  # orders calls across programs (next(_SEQUENCE) when recorded)
 
     def __repr__(self) -> str:
         name = getattr(func := self.func, "__qualname__", None) or repr(func)
@@ -189,6 +189,7 @@ class Program:
     # (call index, stream) -> the marker seed its draw left the generator in
     markers: dict[tuple[int, int], int] = field(default_factory=dict)
     finalizer: Any = None  # drops the program's markers when it is gone
+    reference: Any = None  # a weak reference to the program, shared by its markers
     # after the recording: storage address -> (index, weak reference), for tensors that
     # share a recorded storage but were never handed to a mode (``copy.deepcopy``)
     live: dict[int, tuple[int, Any]] = field(default_factory=dict)

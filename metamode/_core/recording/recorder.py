@@ -16,7 +16,7 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, FunctionType
 from typing import Any, Protocol
 
 import torch
@@ -24,9 +24,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch.overrides import TorchFunctionMode
 
-from metamode._core.facts import Fact, fact_of, meta_branch, meta_shortcut, stand_in_for
+from metamode._core.facts import (
+    _FACTS,
+    Fact,
+    fact_of,
+    meta_branch,
+    meta_shortcut,
+    stand_in_for,
+    stand_in_rule,
+)
 from metamode._core.recording import registry
 from metamode._core.recording.program import (
+    _SEQUENCE,
     Call,
     Draw,
     Origin,
@@ -37,9 +46,11 @@ from metamode._core.recording.program import (
     Storage,
     Stream,
     TensorRef,
+    _contiguous,
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
+from metamode._torch import pop_mode, push_mode
 
 __all__ = ["GENERATOR", "Recorder"]
 
@@ -73,6 +84,8 @@ _IMMUTABLE = frozenset(
 )
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 _TO = torch.Tensor.to
+_HOST = frozenset(["cpu", "meta"])  # devices whose draws come from the default CPU generator
+_GENERATOR_KEYWORD = ("generator",)
 # what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
 _VALUES = frozenset([int, float, bool, complex, list])
 
@@ -84,6 +97,10 @@ class CannotCapture(Exception):
 class Runner(Protocol):
     def placed_call(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
         """Run ``func`` as the context does; True when it skipped the call instead."""
+        ...
+
+    def skips(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The tensor the context returns in place of running ``func``, or None."""
         ...
 
 
@@ -108,6 +125,7 @@ class Recorder:
         self._generators: dict[int, GeneratorTrack] = {}
         self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
         self._registered: list[tuple[weakref.ref, registry.Entry]] = []
+        self._default_track: GeneratorTrack | None = None
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
@@ -120,9 +138,9 @@ class Recorder:
             Storage(origin, tensor.device.type, storage.nbytes(), call, outside)
         )
         if tensor.is_inference():
-            self.program.storages[index].refused = (
-                "it is an inference tensor: it has no version counter to show its writes"
-            )
+            self.program.storages[
+                index
+            ].refused = "it is an inference tensor: it has no version counter to show its writes"
         elif origin is Origin.UNKNOWN and registry.entry(tensor) is not None:
             self.program.storages[index].refused = (
                 "it was computed from a tensor made in another metamode.empty_weights "
@@ -134,15 +152,26 @@ class Recorder:
             outside.keep = self._storages[storage._cdata][1]
         return index
 
-    def ref(self, tensor: torch.Tensor, creating_call: int | None = None) -> TensorRef:
+    def _check_writes(self, tensors: list[torch.Tensor], versions: list[int]) -> None:
+        """Record, as writes nobody saw, version moves of known tensors since their last use."""
+        for tensor, version in zip(tensors, versions, strict=True):
+            seen = self._tensors.get(id(tensor))
+            if seen is not None and seen[2] != version and seen[0]() is tensor:
+                self.ref(tensor)
+
+    def ref(
+        self, tensor: torch.Tensor, creating_call: int | None = None, check: bool = True
+    ) -> TensorRef:
         """``tensor``'s :class:`TensorRef`; a storage first seen here was created by
-        ``creating_call`` (a result), or comes from outside the recording (an argument)."""
+        ``creating_call`` (a result), or comes from outside the recording (an argument).
+        With ``check``, a version move no recorded call explains is recorded as a write
+        nobody saw."""
         key = id(tensor)
         seen = self._tensors.get(key)
         if seen is not None and seen[0]() is tensor:
             ref = seen[1]
             version = _version(tensor)
-            if version != seen[2] and creating_call is None:
+            if version != seen[2] and creating_call is None and check:
                 epoch = self._epochs[ref.storage]
                 if epoch == seen[3]:  # no recorded write since: someone else wrote it
                     self._unseen_write(ref)
@@ -178,6 +207,7 @@ class Recorder:
                     "it was written by code metamode did not record (with torch functions "
                     "disabled, or in a C++ extension)"
                 ),
+                seq=next(_SEQUENCE),
             )
         )
 
@@ -188,13 +218,20 @@ class Recorder:
             return value
         if _is_tensor(kind):
             tensors.append(value)
-            return self.ref(value)
+            return self.ref(value, check=False)
         if kind is tuple:
-            return tuple([self._capture(v, tensors, generators) for v in value])
+            for item in value:
+                if type(item) not in _IMMUTABLE:
+                    return tuple([self._capture(v, tensors, generators) for v in value])
+            return value
         if kind is list:
             return [self._capture(v, tensors, generators) for v in value]
         if kind is dict:
-            return {k: self._capture(v, tensors, generators) for k, v in value.items()}
+            captured = dict(value)
+            for key, item in value.items():
+                if type(item) not in _IMMUTABLE:
+                    captured[key] = self._capture(item, tensors, generators)
+            return captured
         if kind is torch.device:
             return _CPU
         if kind is torch.Generator:
@@ -209,7 +246,6 @@ class Recorder:
         if kind.__module__ == "numpy":
             copy = getattr(value, "copy", None)
             if callable(copy) and hasattr(value, "shape"):
-                generators.append(_FOREIGN)  # a result may share the array's memory
                 return copy()
             return value
         if kind is bytearray:
@@ -233,67 +269,78 @@ class Recorder:
     # -- calls --------------------------------------------------------------------------
     def record(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
         """Run ``func`` through ``runner`` and record it if it creates, writes or draws."""
-        fact = fact_of(func)
+        fact = _FACTS.get(func) or fact_of(func)
         if fact.query:
             result = func(*args, **kwargs)
             if self.program.diverged is None and (
                 (fact.is_meta and result is True) or (fact.device and result.type == "meta")
             ):
-                self._meta_read(args[0], sys._getframe(2), fact.is_meta)
+                self._meta_read(args[0], sys._getframe(1), fact.is_meta)
             return result
-        if stand_in_for(func) is not None:
-            # a library's stand-in for a torch.nn.init function (transformers' checks a
-            # flag on the tensor first): run it, and record what it does
-            with _Inside(self, runner, func):
-                return func(*args, **kwargs)
+        if type(func) is FunctionType:
+            original = stand_in_for(func)
+            if original is not None:
+                return self._stand_in(func, original, args, kwargs, runner)
+        target = runner.skips(func, args, kwargs)
+        if target is not None:
+            return self._skipped(func, fact, args, kwargs, target)
         tensors: list[torch.Tensor] = []
-        generators: list[torch.Generator] = []
-        refused = None
-        try:
-            captured_args = self._capture(args, tensors, generators)
-            captured_kwargs = self._capture(kwargs, tensors, generators) if kwargs else {}
-        except CannotCapture as error:
-            captured_args, captured_kwargs, refused = (), {}, str(error)
-        foreign = _FOREIGN in generators
-        if foreign:
-            generators = [g for g in generators if g is not _FOREIGN]
-        inputs = [self.ref(t) for t in tensors]
+        generators: list[Any] = []
+        _scan(args, tensors, generators)
+        if kwargs:
+            _scan(tuple(kwargs.values()), tensors, generators)
+        if fact.factory and not fact.random and not tensors and not generators:
+            return self._made(func, args, kwargs, runner)
         versions = [_version(t) for t in tensors]
+        before = [self.ref(t) for t in tensors] if fact.changes_geometry or fact.random else None
+        if before is None:
+            self._check_writes(tensors, versions)
         draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
         result, skipped = runner.placed_call(func, args, kwargs)
-        index = len(self.program.calls)
-        writes = {ref.storage for t, ref, v in zip(tensors, inputs, versions, strict=True)
-                  if _version(t) != v}
         written = [t for t, v in zip(tensors, versions, strict=True) if _version(t) != v]
-        if skipped and tensors:
-            writes.add(inputs[0].storage)
+        if skipped:
             written.append(tensors[0])
         if fact.changes_geometry:
             for tensor in tensors:
                 self._tensors.pop(id(tensor), None)
+        ids = {id(t) for t in tensors}
+        made = [t for t in _tensors_in(result) if id(t) not in ids]
+        fresh = [t for t in made if not self._known(t)]
+        if not written and not fresh and not fact.random:
+            if tensors and type(result) in _VALUES:  # Python values read from tensor data
+                self._value_read(func, [self.ref(t) for t in tensors])
+            return result
+        inputs = before if before is not None else [self.ref(t, check=False) for t in tensors]
+        index = len(self.program.calls)
+        refused = None
+        try:
+            captured_args = self._capture(args, [], [])
+            captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
+        except CannotCapture as error:
+            captured_args, captured_kwargs, refused = (), {}, str(error)
         creates: list[int] = []
         captured_result = self._results(result, creates, index)
-        if not writes and not creates and not fact.random:
-            if tensors and type(result) in _VALUES:  # Python values read from tensor data
-                self._value_read(func, inputs)
-            return result
         if fact.factory:
             captured_kwargs = {**captured_kwargs, "device": _CPU}
             if kwargs.get("dtype") is None and isinstance(result, torch.Tensor):
                 captured_kwargs["dtype"] = result.dtype
         elif func is _TO:
             captured_args = tuple(_CPU if type(a) is str else a for a in captured_args)
-        made = [t for t in _tensors_in(result) if t is not None]
+        written_ids = {id(t) for t in written}
+        writes = {ref.storage for t, ref in zip(tensors, inputs, strict=True) if id(t) in written_ids}
         call = Call(
             func,
             captured_args,
             captured_kwargs,
-            reads=tuple(dict.fromkeys(ref.storage for ref in inputs)),
+            reads=(inputs[0].storage,) if len(inputs) == 1 else tuple(
+                dict.fromkeys(ref.storage for ref in inputs)
+            ),
             writes=tuple(sorted(writes)),
             creates=tuple(creates),
             result=captured_result,
             refused=refused or _subclass_refusal(tensors),
             default_dtype=_default_dtype_use(fact, kwargs, inputs, made),
+            seq=next(_SEQUENCE),
         )
         if fact.overwrites and inputs:
             call.target = inputs[0].storage
@@ -301,11 +348,95 @@ class Recorder:
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
         self._append(call, tensors, draws, drew_real)
-        if foreign:  # its memory may be an array's, which can change: replay the copy
+        if _FOREIGN in generators:  # its memory may be an array's, which can change
             for storage in creates:
                 if self.program.storages[storage].device != "meta":
                     self.program.storages[storage].off = True
         return result
+
+    def _skipped(self, func: Any, fact: Fact, args: tuple, kwargs: dict, target: Any) -> Any:
+        """A value-initialising call the context skipped on meta: it writes ``target``."""
+        ref = self.ref(target)
+        generators: list[Any] = []
+        try:
+            captured_args = self._capture(args, [], generators)
+            captured_kwargs = self._capture(kwargs, [], generators) if kwargs else {}
+            refused = None
+        except CannotCapture as error:
+            captured_args, captured_kwargs, refused = (), {}, str(error)
+        draws = self._begin_draws(fact, generators, [target], kwargs) if fact.random else []
+        call = Call(
+            func,
+            captured_args,
+            captured_kwargs,
+            reads=(ref.storage,),
+            writes=(ref.storage,),
+            creates=(),
+            result=ref,
+            refused=refused,
+            seq=next(_SEQUENCE),
+        )
+        if fact.overwrites:
+            call.target = ref.storage
+            if _covers(ref, self.program.storages):
+                call.covers = ref.storage
+        self._append(call, [target], draws, False)
+        return target
+
+    def _made(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
+        """A factory call from arguments that are no tensors (``torch.empty``...)."""
+        result, _ = runner.placed_call(func, args, kwargs)
+        if not _is_tensor(type(result)):
+            return result
+        try:
+            captured_args = self._capture(args, [], [])
+            captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
+            refused = None
+        except CannotCapture as error:
+            captured_args, captured_kwargs, refused = (), {}, str(error)
+        captured_kwargs["device"] = _CPU
+        if kwargs.get("dtype") is None:
+            captured_kwargs["dtype"] = result.dtype
+        ref = self.ref(result, creating_call=len(self.program.calls))
+        call = Call(
+            func,
+            captured_args,
+            captured_kwargs,
+            reads=(),
+            writes=(),
+            creates=(ref.storage,),
+            result=ref,
+            refused=refused,
+            seq=next(_SEQUENCE),
+        )
+        self._append(call, [], [], False)
+        return result
+
+    def _stand_in(
+        self, func: Any, original: Any, args: tuple, kwargs: dict, runner: Runner
+    ) -> Any:
+        """A library's stand-in for a ``torch.nn.init`` function (transformers' checks a
+        flag on the tensor first). Where its library said what it does, record that;
+        otherwise run it and record the torch calls it makes."""
+        runs = stand_in_rule(func)
+        if runs is not None:
+            if runs(args, kwargs):
+                return self.record(original, args, kwargs, runner)
+            return args[0] if args else kwargs.get("tensor")
+        inside = _Inside(self, runner, func)
+        push_mode(inside)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            pop_mode()
+
+    def _known(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in a storage this recording has seen."""
+        seen = self._tensors.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:
+            return True
+        known = self._storages.get(tensor.untyped_storage()._cdata)
+        return known is not None and not known[1].expired()
 
     def _begin_draws(
         self,
@@ -316,6 +447,12 @@ class Recorder:
         keywords: tuple[str, ...] | None = None,
     ) -> list[tuple[GeneratorTrack | None, Draw]]:
         """Where eager's generator states are, before a random call runs."""
+        if not generators and keywords is None and kwargs.get("device") is None:
+            track = self._default_track
+            if track is not None and (not tensors or tensors[0].device.type in _HOST):
+                draw = before_draw(track, self.program, self._last_draw.get(track.stream))
+                draw.keywords = _GENERATOR_KEYWORD if fact.generator else ()
+                return [(track, draw)]
         tracks = self._tracks(generators, tensors, kwargs)
         names = keywords or (("generator",) if fact.generator else ("",)) * len(tracks)
         grouped: dict[int, tuple[GeneratorTrack | None, str, list[str]]] = {}
@@ -362,7 +499,11 @@ class Recorder:
         for tensor in tensors:
             seen = self._tensors.get(id(tensor))
             if seen is not None:
-                self._tensors[id(tensor)] = (*seen[:2], _version(tensor), self._epochs[seen[1].storage])
+                self._tensors[id(tensor)] = (
+                    *seen[:2],
+                    _version(tensor),
+                    self._epochs[seen[1].storage],
+                )
         program.calls.append(call)
 
     def _tracks(
@@ -370,8 +511,10 @@ class Recorder:
     ) -> list[tuple[GeneratorTrack | None, str]]:
         if not generators:
             device = kwargs.get("device")
-            device = torch.device(device) if device is not None else (
-                tensors[0].device if tensors else _CPU
+            device = (
+                torch.device(device)
+                if device is not None
+                else (tensors[0].device if tensors else _CPU)
             )
             if device.type not in ("cpu", "meta"):
                 return [(None, f"it draws from the {device.type} default generator")]
@@ -386,13 +529,17 @@ class Recorder:
                 stream = Stream(len(self.program.streams), generator is torch.default_generator)
                 self.program.streams.append(stream)
                 track = self._generators[id(generator)] = GeneratorTrack(generator, stream.index)
+                if generator is torch.default_generator:
+                    self._default_track = track
             tracks.append((track, ""))
         return tracks
 
     # -- reads that steer the build -----------------------------------------------------
     def _meta_read(self, tensor: torch.Tensor, frame: FrameType | None, is_meta: bool) -> None:
         """The build asked whether ``tensor`` is on meta: eager construction would hear no."""
-        while frame is not None and frame.f_code.co_name == "__torch_function__":
+        while frame is not None and (
+            frame.f_code.co_name == "__torch_function__" or _is_ours(frame)
+        ):
             frame = frame.f_back
         known = meta_branch(frame.f_code) if frame is not None else None
         if known is not None:
@@ -435,6 +582,7 @@ class Recorder:
             creates=(),
             result=ref,
             target=ref.storage,
+            seq=next(_SEQUENCE),
         )
         if _covers(ref, self.program.storages):
             call.covers = ref.storage
@@ -475,11 +623,16 @@ class Recorder:
                 storage = placed.untyped_storage()
                 self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
                 self._tensors[id(placed)] = (
-                    weakref.ref(placed), ref, _version(placed), self._epochs[ref.storage]
+                    weakref.ref(placed),
+                    ref,
+                    _version(placed),
+                    self._epochs[ref.storage],
                 )
             else:
                 self._copy(original, placed)
-        self._registered.append((weakref.ref(target), registry.add(target, self.program, module, name)))
+        self._registered.append(
+            (weakref.ref(target), registry.add(target, self.program, module, name))
+        )
 
     def _copy(self, original: torch.Tensor, placed: torch.Tensor) -> None:
         source = self.ref(original)
@@ -494,6 +647,7 @@ class Recorder:
                 writes=(),
                 creates=(made.storage,),
                 result=made,
+                seq=next(_SEQUENCE),
             )
         )
 
@@ -539,6 +693,24 @@ class _Inside(TorchFunctionMode):
         return self.recorder.record(func, args, kwargs or {}, self.runner)
 
 
+def _scan(values: tuple | list, tensors: list, generators: list) -> None:
+    """The tensors and generators among ``values`` (and in the tuples and lists there)."""
+    for value in values:
+        kind = type(value)
+        if kind in _IMMUTABLE:
+            continue
+        if _is_tensor(kind):
+            tensors.append(value)
+        elif kind is tuple or kind is list:
+            _scan(value, tensors, generators)
+        elif kind is torch.Generator:
+            generators.append(value)
+        elif kind.__module__ == "numpy" and hasattr(value, "shape"):
+            generators.append(_FOREIGN)  # a result may share the array's memory
+        elif kind is slice:
+            _scan((value.start, value.stop, value.step), tensors, generators)
+
+
 def _unseen_write(tensor: torch.Tensor) -> None:
     """Stands for a write the recording did not see (never replayed: it is refused)."""
     raise RuntimeError("an unseen write cannot be replayed")
@@ -577,6 +749,8 @@ def _covers(ref: TensorRef, storages: list[Storage]) -> bool:
         numel *= size
     if ref.offset or numel * ref.dtype.itemsize != storages[ref.storage].nbytes:
         return False
+    if _contiguous(ref):
+        return True
     expected = 1
     for size, stride in sorted(zip(ref.size, ref.stride, strict=True), key=lambda d: d[1]):
         if size != 1 and stride != expected:
@@ -602,6 +776,11 @@ def _default_dtype_use(
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
         return None
     return default if any(t.dtype == default for t in made) else None
+
+
+def _is_ours(frame: FrameType) -> bool:
+    """Whether ``frame`` runs metamode's own code (a mode between the build and the read)."""
+    return str(frame.f_globals.get("__name__", "")).startswith("metamode.")
 
 
 def _describe(tensor: torch.Tensor) -> str:

@@ -19,7 +19,7 @@ skipped draws: deterministic, and not the state eager construction leaves.
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
 import threading
 import weakref
 from collections import OrderedDict
@@ -56,16 +56,56 @@ class GeneratorTrack:
     generator: torch.Generator
     stream: int
     marker: int | None = None  # the marker this recording set last
-    marked_state: bytes = b""  # the generator's state right after that marker was set
 
 
-def _state(generator: torch.Generator) -> bytes:
-    return generator.get_state().numpy().tobytes()
+def _state_bytes(generator: torch.Generator, size: int | None = None) -> bytes:
+    state = generator.get_state()
+    return ctypes.string_at(state.data_ptr(), state.numel() if size is None else size)
+
+
+def _learn_fresh_header() -> tuple[int, bytes] | None:
+    """(n, bytes) such that a CPU generator's state starts with ``bytes`` after its seed's
+    8 bytes exactly when no number was drawn since ``manual_seed`` (its mt19937 position),
+    if this torch lays the state out so; else None (the whole state is compared)."""
+    probe = torch.Generator()
+    headers = []
+    for seed in (12345, 67890):
+        probe.manual_seed(seed)
+        headers.append(_state_bytes(probe, 24)[8:])
+    torch.rand(3, generator=probe)
+    moved = _state_bytes(probe, 24)[8:]
+    if headers[0] == headers[1] and moved != headers[0]:
+        return 24, headers[0]
+    return None
+
+
+_FRESH_HEADER = _learn_fresh_header()
+_SCRATCH = torch.Generator()
+
+
+def _fresh(generator: torch.Generator, seed: int) -> bool:
+    """Whether ``generator`` drew nothing since ``manual_seed(seed)``."""
+    if generator.initial_seed() != seed:
+        return False
+    if _FRESH_HEADER is not None:
+        size, header = _FRESH_HEADER
+        return _state_bytes(generator, size)[8:] == header
+    with _LOCK:
+        _SCRATCH.manual_seed(seed)
+        return _state_bytes(generator) == _state_bytes(_SCRATCH)
+
+
+_MASK = (1 << 64) - 1
 
 
 def _marker_value(program: Program, call: int, stream: int) -> int:
-    digest = hashlib.blake2b(f"metamode {program.serial} {call} {stream}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "big") | (1 << 63)
+    """A seed naming (program, call, stream): splitmix64 of the three packed, so distinct
+    triples give distinct seeds, spread far from the small seeds people pick."""
+    value = ((program.serial & 0xFFFFFF) << 40 | (call & 0xFFFFFFFF) << 8 | stream & 0xFF)
+    value = (value + 0x9E3779B97F4A7C15) & _MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
 
 
 def before_draw(track: GeneratorTrack, program: Program, last_call: int | None) -> Draw:
@@ -73,19 +113,12 @@ def before_draw(track: GeneratorTrack, program: Program, last_call: int | None) 
     ``last_call`` is this program's previous draw on the stream (None if none)."""
     generator = track.generator
     seed = generator.initial_seed()
-    if seed == track.marker:
-        if _state(generator) == track.marked_state:
-            return Draw(track.stream, Start.CONTINUE) if last_call is not None else _after(
-                track, program, seed
-            )
-        return _unknown(track)
-    with _LOCK:
-        known = seed in _MARKERS
-    if not known:
+    if seed not in _MARKERS:
         return Draw(track.stream, Start.ANCHOR, state=generator.get_state())
-    marked = torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
-    if _state(generator) != marked:
+    if not _fresh(generator, seed):
         return _unknown(track)
+    if seed == track.marker and last_call is not None:
+        return Draw(track.stream, Start.CONTINUE)
     return _after(track, program, seed)
 
 
@@ -119,18 +152,17 @@ def _unknown(track: GeneratorTrack) -> Draw:
 def mark(track: GeneratorTrack, program: Program, call: int) -> None:
     """Put ``track``'s generator in the marker state naming ``program``'s ``call``."""
     seed = _marker_value(program, call, track.stream)
-    with _LOCK:
-        seeds = _BY_PROGRAM.get(program.serial)
-        if seeds is None:
+    seeds = _BY_PROGRAM.get(program.serial)
+    if seeds is None:
+        with _LOCK:
             seeds = _BY_PROGRAM[program.serial] = []
-            serial = program.serial
-            program.finalizer = weakref.finalize(program, _forget, serial)
-        seeds.append(seed)
-        _MARKERS[seed] = _Marker(weakref.ref(program), call, track.stream)
+            program.finalizer = weakref.finalize(program, _forget, program.serial)
+            program.reference = weakref.ref(program)
+    seeds.append(seed)  # a single step under the GIL, as the one below
+    _MARKERS[seed] = _Marker(program.reference, call, track.stream)
     program.markers[(call, track.stream)] = seed
     track.generator.manual_seed(seed)
     track.marker = seed
-    track.marked_state = _state(track.generator)
 
 
 def replayed(seed: int, state: torch.Tensor) -> None:

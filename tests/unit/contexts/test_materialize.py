@@ -235,6 +235,7 @@ def test_replayable_needs_the_meta_device():
 
 def test_summary_shows_which_meta_tensors_can_be_materialized():
     external = torch.ones(3, device="meta")
+    torch.manual_seed(0)
     with metamode.empty_weights(replayable=True):
         model = Outside(external)
     report = metamode.summary(model)
