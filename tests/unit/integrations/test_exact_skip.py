@@ -1,4 +1,4 @@
-"""Issue 12 §1: with a shim on, a library builds exactly the model it builds stock.
+"""With a shim on, a library builds exactly the model it builds stock.
 
 Single-threaded, under the same seed, every tensor whose stock value is
 deterministic is ``torch.equal`` with the shim on, complete checkpoint or
@@ -129,7 +129,8 @@ def test_diffusers_shim_loads_exactly_the_stock_model(
 
 
 def test_missing_group_norm_weight_is_one_as_stock(tmp_path):
-    """The issue's reproducer: stock gives 1.0; the old shim gave uninitialised memory."""
+    """A checkpoint without a GroupNorm weight: stock leaves it at ones_'s 1.0, and so does the
+    shim (a rule that skipped every init would leave uninitialised memory)."""
     _save(tmp_path, _unet2d, drop_norms=False)
     path = tmp_path / "diffusion_pytorch_model.safetensors"
     state = load_file(path)
