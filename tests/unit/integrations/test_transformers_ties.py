@@ -435,6 +435,43 @@ def test_a_bystander_thread_still_ties(shim):
     }
 
 
+def _tie_in_code_named_tie_weights_from_modeling_utils():
+    """A function that is not ``PreTrainedModel.tie_weights`` but has its name and file."""
+    from transformers import modeling_utils
+
+    source = "def tie_weights(pair):\n    pair[1].weight = pair[0].weight\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, modeling_utils.__file__, "exec"), namespace)
+    pair = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    namespace["tie_weights"](pair)
+    return pair[1].weight is pair[0].weight
+
+
+def test_only_pretrained_models_own_tie_weights_is_undone():
+    """Stock replaces ``PreTrainedModel.tie_weights`` alone; so is the shim's rule."""
+    import transformers.initialization as initialization
+
+    with initialization.no_tie_weights():
+        assert _tie_in_code_named_tie_weights_from_modeling_utils()  # stock
+    with metamode.enabled("transformers"), initialization.no_tie_weights():
+        assert _tie_in_code_named_tie_weights_from_modeling_utils()
+
+
+def test_the_tie_weights_code_survives_a_stand_in_on_the_class(monkeypatch):
+    from transformers.modeling_utils import PreTrainedModel
+
+    from metamode.integrations import transformers as shim
+
+    real = vars(PreTrainedModel)["tie_weights"].__code__
+    monkeypatch.setattr(shim, "_TIE_WEIGHTS_CODE", type(shim._TIE_WEIGHTS_CODE)())
+    with monkeypatch.context() as patched:
+        patched.setattr(PreTrainedModel, "tie_weights", lambda self: None)  # as stock's no-op
+        assert shim.no_tie_weights().code is None
+    assert shim.no_tie_weights().code is real
+    monkeypatch.setattr(PreTrainedModel, "tie_weights", lambda self: None)
+    assert shim.no_tie_weights().code is real
+
+
 # -- the shim builds and loads exactly stock's model ---------------------------------
 
 
