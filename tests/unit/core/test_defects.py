@@ -272,6 +272,7 @@ def test_decorated_call_inside_a_different_context_still_gets_its_own():
 # -- load_state_dict(assign=True) inside a block ------------------------------------------
 
 
+@pytest.mark.per_interpreter
 def test_assign_inside_the_block_warns_naming_the_parameter_and_the_fix():
     # Before: silently back on meta, no warning.
     state = nn.Linear(2, 2).state_dict()
@@ -304,6 +305,7 @@ class _WrappedLinear(nn.Linear):
         _through(12, super()._load_from_state_dict, *args)
 
 
+@pytest.mark.per_interpreter
 def test_assign_inside_the_block_warns_through_overriding_subclasses():
     # Before: no warning (the walk gave up 8 frames above the hook).
     state = nn.Linear(2, 2).state_dict()
@@ -320,6 +322,7 @@ def test_assign_inside_the_block_warns_through_overriding_subclasses():
     assert torch.equal(model.weight, state["weight"])
 
 
+@pytest.mark.per_interpreter
 def test_assign_by_a_direct_load_from_state_dict_call_warns_at_that_call():
     state = nn.Linear(2, 2).state_dict()
     with metamode.empty_weights():

@@ -18,6 +18,8 @@ from metamode.integrations._exact_skip import SkipLibraryInit
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models import modeling_utils  # noqa: E402
 
+pytestmark = pytest.mark.per_interpreter
+
 
 def _unet2d():
     return diffusers.UNet2DModel(

@@ -24,6 +24,8 @@ from metamode.integrations._exact_skip import SkipLibraryInit
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models import modeling_utils  # noqa: E402
 
+pytestmark = pytest.mark.per_interpreter
+
 init = torch.nn.init
 _bound_normal = torch.nn.init.normal_  # bound before any context: stock runs it
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import metamode
 from tests.conftest import REPO, run_python
 
-pytestmark = pytest.mark.requires_transformers_4
+pytestmark = [pytest.mark.requires_transformers_4, pytest.mark.per_interpreter]
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402

@@ -222,6 +222,7 @@ print(json.dumps(stock_forced_overlap({directory!r})))
 
 
 @pytest.mark.slow  # a subprocess
+@pytest.mark.per_interpreter
 def test_stock_no_tie_weights_leaks_its_no_op_when_two_threads_overlap(tmp_path):
     """Stock is broken: one forced overlap leaves every later tied load untied, on meta."""
     result = run_python(_STOCK_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path)))
@@ -447,6 +448,7 @@ def _tie_in_code_named_tie_weights_from_modeling_utils():
     return pair[1].weight is pair[0].weight
 
 
+@pytest.mark.per_interpreter
 def test_only_pretrained_models_own_tie_weights_is_undone():
     """Stock replaces ``PreTrainedModel.tie_weights`` alone; so is the shim's rule."""
     import transformers.initialization as initialization
@@ -523,6 +525,7 @@ def _build_inside(config_factory, model_name: str) -> dict[str, Any]:
     [(gpt2_config, "GPT2LMHeadModel"), (bert_config, "BertForMaskedLM")],
     ids=["gpt2", "bert"],
 )
+@pytest.mark.per_interpreter
 def test_inside_the_context_the_model_is_built_as_stock_builds_it(config_factory, model_name):
     stock = _build_inside(config_factory, model_name)
     with metamode.enabled("transformers"):
@@ -563,6 +566,7 @@ def _load(model_name: str, directory: Path) -> dict[str, Any]:
     ],
     ids=["gpt2", "gpt2-missing-mlp", "gpt2-missing-tied", "bert", "bert-missing-tied"],
 )
+@pytest.mark.per_interpreter
 def test_from_pretrained_with_the_shim_equals_stock(tmp_path, config_factory, model_name, dropped):
     import transformers
 
