@@ -1,4 +1,4 @@
-"""Regression tests for the smaller core defects of issue 12, section 6.
+"""Regression tests for the smaller core defects.
 
 Each test failed on the code before its fix (run against the previous commit);
 what it failed with is noted on the test.
@@ -160,7 +160,7 @@ def _under_torchs_default(dtype, call):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
 def test_default_dtype_matches_set_default_dtype_on_mixed_data(dtype):
-    # Before: the first three cases (issue 12) gave float32 where torch gives
+    # Before: the first three cases gave float32 where torch gives
     # float16 / float64 / float64.
     mismatches = []
     for name, call in CASES.items():

@@ -1,4 +1,4 @@
-"""Issue 10 §1-2 on transformers 4.x: ``enable()`` works and concurrent loads are safe.
+"""transformers 4.x: ``enable()`` works and concurrent loads are safe.
 
 Runs only where transformers 4.x is installed (``requires_transformers_4``;
 deselected elsewhere by tests/conftest.py), e.g. ``/work/venvs/tf4``.
@@ -45,7 +45,8 @@ def _load(directory, **kwargs):
 @pytest.fixture(scope="module", autouse=True)
 def _transformers_loaded_once(tmp_path_factory):
     """transformers' first from_pretrained adds nn.Module.smart_apply (its own, known
-    class change, issue 12 §3): make it happen before the per-test torch-state guard."""
+    class change: metamode/_diagnostics/known_changes.py): make it happen before the
+    per-test torch-state guard."""
     directory = tmp_path_factory.mktemp("warm")
     _save(directory)
     GPT2LMHeadModel.from_pretrained(directory)

@@ -1,6 +1,6 @@
 """transformers 5's ``no_tie_weights``: stock leaks its no-op; metamode's is thread-scoped.
 
-Issue 10: ``transformers.initialization.no_tie_weights()`` (entered by
+Stock ``transformers.initialization.no_tie_weights()`` (entered by
 ``from_pretrained`` while it builds the model) assigns
 ``PreTrainedModel.tie_weights`` a no-op and restores what it captured. When
 two loads overlap -- A enters, B enters (capturing A's no-op), A exits, B
@@ -269,7 +269,8 @@ def gpt2_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def _transformers_initialised_once() -> None:
     """transformers' first cpu init adds nn.Module.smart_apply (its own, known class
-    change, issue 12 §3): make it happen before the per-test torch-state guard."""
+    change: metamode/_diagnostics/known_changes.py): make it happen before the per-test
+    torch-state guard."""
     from transformers import GPT2LMHeadModel
 
     GPT2LMHeadModel(gpt2_config())
