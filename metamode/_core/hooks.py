@@ -72,7 +72,8 @@ def _on_parameter_registered(module, name, param):
 
 
 def _load_state_dict_caller() -> int:
-    """The stack level of the code that called ``load_state_dict``, or 0 if the
+    """The stack level of the code that called ``Module.load_state_dict`` (of the code that
+    called ``Module._load_from_state_dict``, if that was called directly), or 0 if the
     registration did not come from ``Module._load_from_state_dict``.
 
     Asked only when a parameter the context already placed is being replaced by
@@ -80,19 +81,18 @@ def _load_state_dict_caller() -> int:
     """
     frame: FrameType | None = sys._getframe(1)  # the hook: level 1 for its warnings.warn
     level = 1
-    while frame is not None and level < 8:  # the hook <- register_parameter <- __setattr__
-        if frame.f_code is _LOAD_FROM_STATE_DICT:
-            break
+    while frame is not None and frame.f_code is not _LOAD_FROM_STATE_DICT:
         frame, level = frame.f_back, level + 1
-    else:
+    if frame is None:
         return 0
-    while frame is not None and frame.f_code.co_filename == _TORCH_MODULE_FILE:
-        frame, level = frame.f_back, level + 1  # out of torch's load_state_dict
-    return level
+    loading_level = level
+    while frame is not None and frame.f_code is not _LOAD_STATE_DICT:
+        frame, level = frame.f_back, level + 1
+    return (level if frame is not None else loading_level) + 1  # its caller
 
 
 _LOAD_FROM_STATE_DICT = torch.nn.Module._load_from_state_dict.__code__
-_TORCH_MODULE_FILE = _LOAD_FROM_STATE_DICT.co_filename
+_LOAD_STATE_DICT = torch.nn.Module.load_state_dict.__code__
 
 
 def _on_buffer_registered(module, name, tensor):

@@ -79,6 +79,9 @@ class KnownChange:
 
 
 _NOTHING = object()
+# The flag install_generation_tagging_init sets on Module once it has wrapped it: torch 2.13
+# sets ___needs_generation_tag_patch = False, torch 2.15 ___has_generation_tag_patch = True.
+_GENERATION_TAG_MARKERS = ("___needs_generation_tag_patch", "___has_generation_tag_patch")
 
 KNOWN_CHANGES: tuple[KnownChange, ...] = (
     KnownChange(
@@ -89,7 +92,7 @@ KNOWN_CHANGES: tuple[KnownChange, ...] = (
         module="torch._dynamo.mutation_guard",
         qualname="install_generation_tagging_init.<locals>.patched_init",
         wraps="init",
-        markers=("___needs_generation_tag_patch",),
+        markers=_GENERATION_TAG_MARKERS,
     ),
     KnownChange(
         what="tags every unpickled module with dynamo's generation counter",
@@ -99,7 +102,7 @@ KNOWN_CHANGES: tuple[KnownChange, ...] = (
         module="torch._dynamo.mutation_guard",
         qualname="install_generation_tagging_init.<locals>.patched_setstate",
         wraps="setstate",
-        markers=("___needs_generation_tag_patch",),
+        markers=_GENERATION_TAG_MARKERS,
     ),
     KnownChange(
         what="adds Module.smart_apply, transformers' apply() for composite models' init",

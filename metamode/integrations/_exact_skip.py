@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
-import dis
+import ast
+import itertools
+import linecache
 import sys
 import weakref
 from types import CodeType, FrameType, FunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.overrides
@@ -25,10 +27,24 @@ _OVERRIDES_DICT = vars(torch.overrides)
 _WRITING_METHODS = frozenset(
     getattr(torch.Tensor, name) for name in (*VALUE_WRITING_METHOD_NAMES, "copy_")
 )
-_CALLS = frozenset(("CALL", "CALL_FUNCTION_EX", "CALL_KW"))
-_ATTRIBUTE_LOADS = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
-# code object -> {offset of a call: the attribute name its callee ends with, or None}
-_CALLEE_NAMES: weakref.WeakKeyDictionary[CodeType, dict[int, str | None]] = (
+
+
+class _AttributeCall(NamedTuple):
+    """A call expression ``<expr>.attr(...)`` in a source file (lines from 1, UTF-8 byte
+    columns, as ``ast`` and ``co_positions()`` count them)."""
+
+    lineno: int
+    col_offset: int
+    attr_lineno: int  # the line the attribute name ends on
+    attr: str
+
+
+# source file -> (the lines linecache gave, {end of a call `<expr>.attr(...)`: that call})
+_ATTRIBUTE_CALLS: dict[str, tuple[list[str], dict[tuple[int, int], _AttributeCall]]] = {}
+# code object -> {(its file, f_lasti of a call site): the attribute name its callee ends
+# with, or None}. Keyed by file too: code objects compiled from the same text under two
+# file names are equal keys.
+_CALLEE_NAMES: weakref.WeakKeyDictionary[CodeType, dict[tuple[str, int], str | None]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -41,34 +57,62 @@ def library_init_names(module: Any) -> frozenset[str]:
     return frozenset(str(name) for name in module.TORCH_INIT_FUNCTIONS)
 
 
-def _callee_names(code: CodeType) -> dict[int, str | None]:
+def _attribute_calls(
+    filename: str, module_globals: dict[str, Any]
+) -> dict[tuple[int, int], _AttributeCall]:
+    """The calls ``<expr>.attr(...)`` in ``filename``'s source, by where each ends; empty
+    when there is no source or it does not parse."""
+    lines = linecache.getlines(filename, module_globals)
+    cached = _ATTRIBUTE_CALLS.get(filename)
+    if cached is not None and cached[0] is lines:
+        return cached[1]
+    calls: dict[tuple[int, int], _AttributeCall] = {}
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        tree = None
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            end = (node.end_lineno or 0, node.end_col_offset or 0)
+            attr_lineno = node.func.end_lineno or 0
+            calls[end] = _AttributeCall(node.lineno, node.col_offset, attr_lineno, node.func.attr)
+    if lines:
+        _ATTRIBUTE_CALLS[filename] = (lines, calls)
+    return calls
+
+
+def _read_callee_name(frame: FrameType) -> str | None:
+    code = frame.f_code
+    # co_positions() has one entry per 2-byte code unit; f_lasti is a byte offset.
+    positions = itertools.islice(code.co_positions(), frame.f_lasti // 2, None)
+    lineno, end_lineno, col_offset, end_col_offset = next(positions, (None,) * 4)
+    if lineno is None or end_lineno is None or col_offset is None or end_col_offset is None:
+        return None
+    call = _attribute_calls(code.co_filename, frame.f_globals).get((end_lineno, end_col_offset))
+    if call is None or call.attr not in code.co_names:  # no such call, or stale source
+        return None
+    if (lineno, col_offset) == (call.lineno, call.col_offset):
+        return call.attr
+    # CPython starts a method call's position on its attribute name's line when that
+    # line is not the call's first.
+    if lineno == call.attr_lineno != call.lineno:
+        return call.attr
+    return None
+
+
+def _callee_name(frame: FrameType) -> str | None:
+    """The attribute name the call ``frame`` is making ends with, if it is a call
+    expression ``<expr>.NAME(...)`` in ``frame``'s source; else None."""
+    code = frame.f_code
     names = _CALLEE_NAMES.get(code)
     if names is None:
-        names = {}
-        instructions = list(dis.get_instructions(code))
-        for index, call in enumerate(instructions):
-            if call.opname not in _CALLS or call.positions is None:
-                continue
-            start = (call.positions.lineno, call.positions.col_offset)
-            best: tuple[Any, str | None] = ((-1, -1), None)
-            for load in instructions[:index]:
-                pos = load.positions
-                if (
-                    not load.opname.startswith("LOAD_")
-                    or pos is None
-                    or (pos.lineno, pos.col_offset) != start
-                ):
-                    continue
-                end = (pos.end_lineno or -1, pos.end_col_offset or -1)
-                if end > best[0]:
-                    name = load.argval if load.opname in _ATTRIBUTE_LOADS else None
-                    best = (end, name)
-            # f_lasti is the call's own offset or (3.11+) its last inline cache entry.
-            names[call.offset] = best[1]
-            if index + 1 < len(instructions):
-                names[instructions[index + 1].offset - 2] = best[1]
-        _CALLEE_NAMES[code] = names
-    return names
+        names = _CALLEE_NAMES.setdefault(code, {})
+    site = (code.co_filename, frame.f_lasti)
+    try:
+        return names[site]
+    except KeyError:
+        name = names[site] = _read_callee_name(frame)
+        return name
 
 
 def _is_dispatch(frame: FrameType) -> bool:
@@ -87,7 +131,7 @@ def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
         frame = frame.f_back
     if entry is None or frame is None:
         return False
-    name = _callee_names(frame.f_code).get(frame.f_lasti)
+    name = _callee_name(frame)
     if name is None or name not in names:
         return False
     function = _INIT_DICT.get(name)
@@ -97,14 +141,23 @@ def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
 class SkipLibraryInit(ThreadScopedMode):
     """``no_init_weights`` for one library, in the calling thread only.
 
-    A call is skipped when its call site's expression was ``<something>.NAME(...)`` with
-    ``NAME`` in ``names`` and ``torch.nn.init.NAME`` the function being run, read from the
-    site's bytecode positions; the frames are inspected only for the candidate calls
-    (``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``, and the in-place
-    methods the other init functions run). A skipped call returns its tensor unchanged,
-    writes nothing and draws no random numbers; everything else runs. Differences from
-    stock: README, "Limitations"; also, another torch-function mode's helper frames between
-    the call site and ``torch.nn.init`` hide the site, and the call then runs.
+    A call is skipped when its call site is, in the caller's source, a call expression
+    ``<something>.NAME(...)`` with ``NAME`` in ``names`` and ``torch.nn.init.NAME`` the
+    function being run. The site is the source position of the caller frame's current
+    instruction (``co_positions()``); the expression is the ``ast.Call`` node of the
+    caller's source file (``linecache``) that spans it. The frames are inspected only for
+    the candidate calls (``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``,
+    and the in-place methods the other init functions run). A skipped call returns its
+    tensor unchanged, writes nothing and draws no random numbers; everything else runs.
+
+    Where there is no source to read, the call runs (stock would skip it): code compiled
+    from a string that ``linecache`` does not hold (``exec``, ``python -c``), files
+    without their source (``.pyc`` only), positions without columns
+    (``PYTHONNODEBUGRANGES``), and source that no longer matches the code (a call whose
+    name the code does not use). An init function applied as a decorator
+    (``@nn.init.normal_``) is not a call expression and runs too. Differences from stock:
+    docs/limitations.md; also, another torch-function mode's helper frames between the
+    call site and ``torch.nn.init`` hide the site, and the call then runs.
     """
 
     def __init__(self, names: frozenset[str]) -> None:

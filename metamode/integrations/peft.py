@@ -1,6 +1,6 @@
 """Shim for PEFT's ``low_cpu_mem_usage`` path: ``init_empty_weights``, ``_init_on_device``
 and ``_skip_init_on_device`` of ``peft.utils.integrations`` rebound to thread-scoped
-contexts (README, "How it works"; why a toggle is safe: docs/design.md, "Shims").
+contexts (docs/design.md; why a toggle is safe: docs/design.md, "Shims").
 """
 
 from __future__ import annotations

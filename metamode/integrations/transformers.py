@@ -11,8 +11,10 @@ process-global: docs/limitations.md.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
-from types import CodeType, FrameType
+import weakref
+from types import CodeType, FrameType, FunctionType
 
 import torch
 
@@ -66,27 +68,25 @@ _TRANSFORMERS = Rebinding(
     replacements={"meta_device_safe_creation_ops": meta_device_safe_creation_ops},
 )
 
-_TIE_WEIGHTS = "tie_weights"  # PreTrainedModel's method, found by its code's name and file
-
 
 class NoTieWeights(KeepRegistered):
     """transformers' ``no_tie_weights``, in the calling thread only.
 
     While this mode is on the thread's stack, an assignment made by the body of
-    ``PreTrainedModel.tie_weights`` (a frame running its code from ``filename`` is on the
-    calling stack) keeps the parameter or buffer the module already holds, so every tie is
-    undone as it is made and the model keeps the separate parameters stock's no-op leaves it.
-    Overrides of ``tie_weights`` in model classes run as under stock: ties they make themselves
-    are kept, their ``super().tie_weights()`` is not. Remaining differences from stock's no-op:
-    docs/limitations.md.
+    ``PreTrainedModel.tie_weights`` (a frame running ``code``, the code object modeling_utils
+    defined it with, is on the calling stack) keeps the parameter or buffer the module
+    already holds, so every tie is undone as it is made and the model keeps the separate
+    parameters stock's no-op leaves it. Overrides of ``tie_weights`` in model classes run as
+    under stock: ties they make themselves are kept, their ``super().tie_weights()`` is not.
+    With ``code`` None nothing is kept. Remaining differences from stock's no-op: docs/limitations.md.
     """
 
-    def __init__(self, filename: str | None) -> None:
+    def __init__(self, code: CodeType | None) -> None:
         super().__init__()
-        self.filename = filename
+        self.code = code
 
     def _settings(self) -> tuple:
-        return (self.filename,)
+        return (self.code,)
 
     def __repr__(self) -> str:
         return "metamode.integrations.transformers.NoTieWeights()"
@@ -94,21 +94,39 @@ class NoTieWeights(KeepRegistered):
     def keeps(self, module, name, value) -> bool:
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
-            code = frame.f_code
-            if code.co_name == _TIE_WEIGHTS and code.co_filename == self.filename:
+            if frame.f_code is self.code:
                 return True
             frame = frame.f_back
         return False
 
 
-def _modeling_utils_file() -> str | None:
-    module = sys.modules.get(_MODELING_UTILS)
-    return getattr(module, "__file__", None)
+# PreTrainedModel -> the code of the tie_weights modeling_utils defined on it, taken the
+# first time the class held that function (a stock no_tie_weights puts its no-op there).
+_TIE_WEIGHTS_CODE: weakref.WeakKeyDictionary[type, CodeType] = weakref.WeakKeyDictionary()
+
+
+def _tie_weights_code() -> CodeType | None:
+    """The code object of modeling_utils' ``PreTrainedModel.tie_weights``; None while
+    modeling_utils is not imported, or while its class has held another function every
+    time this was asked."""
+    pretrained = getattr(sys.modules.get(_MODELING_UTILS), "PreTrainedModel", None)
+    if not isinstance(pretrained, type):
+        return None
+    function = vars(pretrained).get("tie_weights")
+    if callable(function):
+        function = inspect.unwrap(function)
+    if (
+        isinstance(function, FunctionType)
+        and function.__module__ == _MODELING_UTILS
+        and function.__qualname__ == "PreTrainedModel.tie_weights"
+    ):
+        _TIE_WEIGHTS_CODE.setdefault(pretrained, function.__code__)
+    return _TIE_WEIGHTS_CODE.get(pretrained)
 
 
 def no_tie_weights() -> NoTieWeights:
     """metamode's replacement for ``transformers.initialization.no_tie_weights``."""
-    return NoTieWeights(_modeling_utils_file())
+    return NoTieWeights(_tie_weights_code())
 
 
 _TRANSFORMERS_TIES = Rebinding(

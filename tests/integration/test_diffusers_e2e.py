@@ -121,6 +121,7 @@ def _lora_targets() -> list[str]:
     return tiny.lora_target_module_names(tiny.build_tiny_sdxl_pipeline())
 
 
+@pytest.mark.per_interpreter
 def test_stock_peft_concurrent_load_lora_corrupts() -> None:
     """Stock diffusers + PEFT: the concurrent loads leak the patch and corrupt every LoRA.
 
@@ -146,6 +147,7 @@ def test_stock_peft_concurrent_load_lora_corrupts() -> None:
     }, (result, finite)
 
 
+@pytest.mark.per_interpreter
 def test_metamode_concurrent_load_lora_matches_sequential() -> None:
     """After ``enable_for_peft()`` the same forced race is harmless, round after round.
 

@@ -345,6 +345,7 @@ def all_shims() -> Iterator[dict[str, tuple[str, ...]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.per_interpreter
 def test_stock_diffusers_concurrent_loads_corrupt_the_process(unet_checkpoint):
     result = run_python(
         _SUBPROCESS.format(repo=str(REPO), enable=False, checkpoint=unet_checkpoint, rounds=5)
@@ -381,6 +382,7 @@ def _assert_clean(result: dict[str, Any], rounds: int, forced: bool) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.per_interpreter
 @pytest.mark.parametrize(("low_cpu_mem_usage", "rounds"), [(True, 50), (False, 10)])
 def test_after_metamode_enable_forced_rounds_leak_nothing(
     unet_checkpoint, all_shims, low_cpu_mem_usage, rounds

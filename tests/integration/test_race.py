@@ -16,6 +16,8 @@ import metamode
 from metamode.lab import scenarios
 from tests.conftest import run_python
 
+pytestmark = pytest.mark.per_interpreter
+
 FIXED = {
     "live_context_linear": "meta",
     "register_parameter_is_torchs": True,

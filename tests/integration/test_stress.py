@@ -69,6 +69,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.per_interpreter
 def test_stock_peft_forced_interleaving_puts_other_threads_params_on_meta():
     result = run_python(FORCED.format(enable=""))
     assert result["y_plain_linear"] == "meta"
@@ -76,6 +77,7 @@ def test_stock_peft_forced_interleaving_puts_other_threads_params_on_meta():
     assert all("on meta, expected cpu" in problem for problem in result["y"])
 
 
+@pytest.mark.per_interpreter
 def test_shim_forced_interleaving_keeps_threads_apart():
     result = run_python(FORCED.format(enable="import metamode; metamode.enable_for_peft()"))
     assert result == {"x": [], "y": [], "y_plain_linear": "cpu"}

@@ -7,6 +7,7 @@ parameters there, so they would go back on meta: the hook warns, naming the para
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -64,6 +65,7 @@ def test_none_buffer_is_registered_untouched_with_include_buffers():
     assert module.absent is None and module.present.is_meta
 
 
+@pytest.mark.per_interpreter
 def test_assign_inside_the_block_warns_naming_the_parameter_and_the_fix():
     state = nn.Linear(2, 2).state_dict()
     with metamode.empty_weights():
@@ -77,6 +79,51 @@ def test_assign_inside_the_block_warns_naming_the_parameter_and_the_fix():
     assert caught[0].filename == __file__  # points at the load_state_dict call
     model.load_state_dict({f"0.{k}": v for k, v in state.items()}, assign=True)
     assert torch.equal(model[0].weight, state["weight"])
+
+
+def _through(depth, call, *args):
+    """``call(*args)``, ``depth`` frames further down the stack."""
+    return call(*args) if depth == 0 else _through(depth - 1, call, *args)
+
+
+class _WrappedLinear(nn.Linear):
+    """Overrides that put frames between torch's ``_load_from_state_dict`` and the
+    registration hook, and between ``load_state_dict`` and ``_load_from_state_dict``."""
+
+    def __setattr__(self, name, value):
+        _through(12, super().__setattr__, name, value)
+
+    def _load_from_state_dict(self, *args):
+        _through(12, super()._load_from_state_dict, *args)
+
+
+@pytest.mark.per_interpreter
+def test_assign_inside_the_block_warns_through_overriding_subclasses():
+    state = nn.Linear(2, 2).state_dict()
+    with metamode.empty_weights():
+        model = _WrappedLinear(2, 2)
+        with pytest.warns(LoadedIntoEmptyWeightsWarning) as caught:
+            call_line = sys._getframe().f_lineno + 1
+            model.load_state_dict(state, assign=True)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "Linear.weight" in messages[0] and "Linear.bias" in messages[1]
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, call_line)] * 2
+    model.load_state_dict(state, assign=True)
+    assert torch.equal(model.weight, state["weight"])
+
+
+@pytest.mark.per_interpreter
+def test_assign_by_a_direct_load_from_state_dict_call_warns_at_that_call():
+    state = nn.Linear(2, 2).state_dict()
+    with metamode.empty_weights():
+        model = nn.Linear(2, 2)
+        with pytest.warns(LoadedIntoEmptyWeightsWarning) as caught:
+            call_line = sys._getframe().f_lineno + 1
+            model._load_from_state_dict(
+                state, "", {"assign_to_params_buffers": True}, True, [], [], []
+            )
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, call_line)] * 2
 
 
 def test_no_warning_for_ordinary_reassignment_or_assign_outside():

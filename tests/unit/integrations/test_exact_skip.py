@@ -18,6 +18,8 @@ from metamode.integrations._exact_skip import SkipLibraryInit
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models import modeling_utils  # noqa: E402
 
+pytestmark = pytest.mark.per_interpreter
+
 
 def _unet2d():
     return diffusers.UNet2DModel(
@@ -129,7 +131,8 @@ def test_diffusers_shim_loads_exactly_the_stock_model(
 
 
 def test_missing_group_norm_weight_is_one_as_stock(tmp_path):
-    """Stock gives 1.0; skipping every value-initialising call (as skip_init does) would not."""
+    """A checkpoint without a GroupNorm weight: stock leaves it at ones_'s 1.0, and so does the
+    shim (a rule that skipped every init would leave uninitialised memory)."""
     _save(tmp_path, _unet2d, drop_norms=False)
     path = tmp_path / "diffusion_pytorch_model.safetensors"
     state = load_file(path)

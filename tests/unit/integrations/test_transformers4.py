@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import metamode
 from tests.conftest import REPO, run_python
 
-pytestmark = pytest.mark.requires_transformers_4
+pytestmark = [pytest.mark.requires_transformers_4, pytest.mark.per_interpreter]
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -45,7 +45,8 @@ def _load(directory, **kwargs):
 @pytest.fixture(scope="module", autouse=True)
 def _transformers_loaded_once(tmp_path_factory):
     """transformers' first from_pretrained adds nn.Module.smart_apply (its own, known
-    class change): make it happen before the per-test torch-state guard."""
+    class change: metamode/_diagnostics/known_changes.py): make it happen before the
+    per-test torch-state guard."""
     directory = tmp_path_factory.mktemp("warm")
     _save(directory)
     GPT2LMHeadModel.from_pretrained(directory)

@@ -1,6 +1,6 @@
 """transformers 5's ``no_tie_weights``: stock leaks its no-op; metamode's is thread-scoped.
 
-``transformers.initialization.no_tie_weights()`` (entered by
+Stock ``transformers.initialization.no_tie_weights()`` (entered by
 ``from_pretrained`` while it builds the model) assigns
 ``PreTrainedModel.tie_weights`` a no-op and restores what it captured. When
 two loads overlap -- A enters, B enters (capturing A's no-op), A exits, B
@@ -222,6 +222,7 @@ print(json.dumps(stock_forced_overlap({directory!r})))
 
 
 @pytest.mark.slow  # a subprocess
+@pytest.mark.per_interpreter
 def test_stock_no_tie_weights_leaks_its_no_op_when_two_threads_overlap(tmp_path):
     """Stock is broken: one forced overlap leaves every later tied load untied, on meta."""
     result = run_python(_STOCK_SUBPROCESS.format(repo=str(REPO), directory=str(tmp_path)))
@@ -268,7 +269,8 @@ def gpt2_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def _transformers_initialised_once() -> None:
     """transformers' first cpu init adds nn.Module.smart_apply (its own, known class
-    change): make it happen before the per-test torch-state guard."""
+    change: metamode/_diagnostics/known_changes.py): make it happen before the per-test
+    torch-state guard."""
     from transformers import GPT2LMHeadModel
 
     GPT2LMHeadModel(gpt2_config())
@@ -435,6 +437,44 @@ def test_a_bystander_thread_still_ties(shim):
     }
 
 
+def _tie_in_code_named_tie_weights_from_modeling_utils():
+    """A function that is not ``PreTrainedModel.tie_weights`` but has its name and file."""
+    from transformers import modeling_utils
+
+    source = "def tie_weights(pair):\n    pair[1].weight = pair[0].weight\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, modeling_utils.__file__, "exec"), namespace)
+    pair = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    namespace["tie_weights"](pair)
+    return pair[1].weight is pair[0].weight
+
+
+@pytest.mark.per_interpreter
+def test_only_pretrained_models_own_tie_weights_is_undone():
+    """Stock replaces ``PreTrainedModel.tie_weights`` alone; so is the shim's rule."""
+    import transformers.initialization as initialization
+
+    with initialization.no_tie_weights():
+        assert _tie_in_code_named_tie_weights_from_modeling_utils()  # stock
+    with metamode.enabled("transformers"), initialization.no_tie_weights():
+        assert _tie_in_code_named_tie_weights_from_modeling_utils()
+
+
+def test_the_tie_weights_code_survives_a_stand_in_on_the_class(monkeypatch):
+    from transformers.modeling_utils import PreTrainedModel
+
+    from metamode.integrations import transformers as shim
+
+    real = vars(PreTrainedModel)["tie_weights"].__code__
+    monkeypatch.setattr(shim, "_TIE_WEIGHTS_CODE", type(shim._TIE_WEIGHTS_CODE)())
+    with monkeypatch.context() as patched:
+        patched.setattr(PreTrainedModel, "tie_weights", lambda self: None)  # as stock's no-op
+        assert shim.no_tie_weights().code is None
+    assert shim.no_tie_weights().code is real
+    monkeypatch.setattr(PreTrainedModel, "tie_weights", lambda self: None)
+    assert shim.no_tie_weights().code is real
+
+
 # -- the shim builds and loads exactly stock's model ---------------------------------
 
 
@@ -486,6 +526,7 @@ def _build_inside(config_factory, model_name: str) -> dict[str, Any]:
     [(gpt2_config, "GPT2LMHeadModel"), (bert_config, "BertForMaskedLM")],
     ids=["gpt2", "bert"],
 )
+@pytest.mark.per_interpreter
 def test_inside_the_context_the_model_is_built_as_stock_builds_it(config_factory, model_name):
     stock = _build_inside(config_factory, model_name)
     with metamode.enabled("transformers"):
@@ -526,6 +567,7 @@ def _load(model_name: str, directory: Path) -> dict[str, Any]:
     ],
     ids=["gpt2", "gpt2-missing-mlp", "gpt2-missing-tied", "bert", "bert-missing-tied"],
 )
+@pytest.mark.per_interpreter
 def test_from_pretrained_with_the_shim_equals_stock(tmp_path, config_factory, model_name, dropped):
     import transformers
 
