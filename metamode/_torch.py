@@ -119,7 +119,7 @@ def all_registration_hooks() -> dict[str, dict[Any, Any]]:
 
 def use_count(tensor: torch.Tensor) -> int:
     """How many C++ references hold ``tensor``'s implementation (swap_tensors needs 1-2)."""
-    return tensor._use_count()
+    return tensor._use_count()  # type: ignore[attr-defined]
 
 
 def current_device() -> Any:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,9 +26,7 @@ __all__ = [
 _CPU = torch.device("cpu")
 # program -> {storage index: a tensor materialize installed there}: a later materialize
 # of another tensor of that storage shares it, as eager construction's tensors do
-_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, weakref.ref]] = (
-    weakref.WeakKeyDictionary()
-)
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, weakref.ref]] = weakref.WeakKeyDictionary()
 # meta buffer -> the buffer materialize put in its place (a module outside the one
 # materialized may still hold the meta one: a later materialize puts the same one there)
 _REPLACED = torch.utils.weak.WeakIdKeyDictionary()
@@ -97,8 +96,11 @@ def _find_entries(slots: list[_Slot]) -> None:
                 if known is not None and not known[1].expired():
                     tensor = slot.tensor
                     ref = TensorRef(
-                        known[0], tensor.dtype, tuple(tensor.shape), tensor.stride(),
-                        tensor.storage_offset(),
+                        known[0],
+                        tensor.dtype,
+                        tuple(tensor.shape),
+                        tensor.stride(),
+                        int(tensor.storage_offset()),
                     )
                     slot.entry = Entry(program, ref, _version(tensor))
                     break
@@ -179,9 +181,11 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
             slot.reason, slot.wanted = reason, False
     if plan.refused:  # replay only what is reproducible
         remaining = [s for s in wanted if s.wanted]
+        if not remaining:
+            return slots, None
         plan = recording.plan(
             dict.fromkeys((s.entry.program, s.entry.ref.storage) for s in remaining)  # type: ignore[union-attr]
-        ) if remaining else None
+        )
     return slots, plan
 
 
@@ -307,7 +311,7 @@ class _Installer:
     def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
         self.device = device
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], object]] = []
         self._sharded: set[int] = set()
 
     def storage(
@@ -330,7 +334,7 @@ class _Installer:
             installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
             shared[ref.storage] = weakref.ref(installed)
-            self._undo.append(lambda t=shared, k=ref.storage: t.pop(k, None))
+            self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:
         """Put ``new`` where ``slot``'s buffer sits. A module outside the one materialized
@@ -338,9 +342,9 @@ class _Installer:
         for home, name in slot.homes:
             old = home._buffers[name]
             home._buffers[name] = new
-            self._undo.append(lambda h=home, n=name, o=old: h._buffers.__setitem__(n, o))
+            self._undo.append(functools.partial(home._buffers.__setitem__, name, old))
         _REPLACED[slot.tensor] = new
-        self._undo.append(lambda t=slot.tensor: _REPLACED.pop(t, None))
+        self._undo.append(functools.partial(_REPLACED.pop, slot.tensor, None))
         return new
 
     def empty(self, slot: _Slot) -> None:
@@ -368,7 +372,7 @@ class _Installer:
         for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
             rnn._flat_weight_refs = []
         if _swap(tensor, new):  # the same object: ties and optimizers keep it
-            self._undo.append(lambda t=tensor, n=new: torch.utils.swap_tensors(t, n))
+            self._undo.append(functools.partial(torch.utils.swap_tensors, tensor, new))
             new = tensor
         else:
             # a weak reference, a view or an autograd graph holds it, so swap_tensors
@@ -376,7 +380,7 @@ class _Installer:
             for home, name in slot.homes:
                 old = home._parameters[name]
                 home._parameters[name] = new  # type: ignore[assignment]
-                self._undo.append(lambda h=home, n=name, o=old: h._parameters.__setitem__(n, o))
+                self._undo.append(functools.partial(home._parameters.__setitem__, name, old))
         for rnn in rnns:
             rnn._init_flat_weights()
         return new

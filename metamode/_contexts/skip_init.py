@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
-from metamode._core.modes import ThreadScopedMode, _bare_decorator
 from metamode._core.facts import OVERWRITING_METHOD_NAMES
+from metamode._core.modes import ThreadScopedMode, _bare_decorator
 from metamode._core.skip_rule import bound_in_nn_init, dispatches_plainly, split_target
 
 __all__ = ["SkipInit", "skip_init"]

@@ -56,7 +56,14 @@ RANDOM_INIT_FUNCTION_NAMES = (
     "sparse_",
 )
 # ... and all that only write values (each overwrites its whole argument).
-INIT_FUNCTION_NAMES = (*RANDOM_INIT_FUNCTION_NAMES, "constant_", "ones_", "zeros_", "eye_", "dirac_")
+INIT_FUNCTION_NAMES = (
+    *RANDOM_INIT_FUNCTION_NAMES,
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+)
 # In-place methods whose result does not depend on the tensor's current values.
 OVERWRITING_METHOD_NAMES = (
     "uniform_",
@@ -306,7 +313,8 @@ def _aten_overloads(name: str) -> list[Any]:
 
 @functools.cache
 def _random_op(name: str) -> bool:
-    """Whether torch's aten op ``name`` draws random numbers (its ``nondeterministic_seeded`` tag)."""
+    """Whether torch's aten op ``name`` draws random numbers: its ``nondeterministic_seeded``
+    tag."""
     return any(torch.Tag.nondeterministic_seeded in op.tags for op in _aten_overloads(name))
 
 
@@ -331,7 +339,7 @@ def _calls_random_op(func: FunctionType, seen: frozenset[CodeType] = frozenset()
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True

@@ -28,8 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from metamode._core import stack as _stack
 from metamode._core.params import moved_parameter, moved_tensor
-from metamode._core.skip_rule import skipped_target
 from metamode._core.recording import Recorder
+from metamode._core.skip_rule import skipped_target
 from metamode._torch import device_constructors, pop_mode, push_mode
 
 __all__ = [
@@ -349,10 +349,14 @@ class EmptyWeights(ThreadScopedMode):
         # build: it joins the recording, replayable or not.
         if self.device.type == "meta":
             for mode in _stack.modes_innermost_first():
-                if isinstance(mode, EmptyWeights) and mode is not self and not mode._inert:
-                    if mode._recorder is not None:
-                        self._recorder = mode._recorder
-                        return
+                if (
+                    isinstance(mode, EmptyWeights)
+                    and mode is not self
+                    and not mode._inert
+                    and mode._recorder is not None
+                ):
+                    self._recorder = mode._recorder
+                    return
         if self.replayable:
             self._recorder = Recorder()
             self._records = True

@@ -87,7 +87,8 @@ def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     Non-None exactly when all of these hold:
 
     * ``func`` is value-initialising: in ``POINTLESS_ON_META`` (the ``torch.nn.init``
-      functions in ``facts.INIT_FUNCTION_NAMES`` and in-place methods that only write values -- never
+      functions in ``facts.INIT_FUNCTION_NAMES`` and in-place methods that only write values --
+      never
       ``resize_``, ``set_``, ``requires_grad_``, ``copy_`` or a shape-changing method, never a
       dunder), or the function ``torch.nn.init`` binds under one of those names at call time;
     * its target (first positional argument, or ``tensor=``/``self=``) is a meta tensor

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.overrides
 
-from metamode._core.modes import ThreadScopedMode
 from metamode._core.facts import VALUE_WRITING_METHOD_NAMES
+from metamode._core.modes import ThreadScopedMode
 from metamode._core.skip_rule import split_target
 
 __all__ = ["SkipLibraryInit", "library_init_names"]

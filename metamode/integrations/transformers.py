@@ -20,8 +20,8 @@ import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
 from metamode._contexts.empty_weights import skip_empty_weights
-from metamode._core.facts import register_meta_branch, register_stand_in
 from metamode._core import stack as _stack
+from metamode._core.facts import register_meta_branch, register_stand_in
 from metamode._core.modes import (
     EmptyWeights,
     KeepRegistered,
@@ -78,7 +78,8 @@ class NoTieWeights(KeepRegistered):
     already holds, so every tie is undone as it is made and the model keeps the separate
     parameters stock's no-op leaves it. Overrides of ``tie_weights`` in model classes run as
     under stock: ties they make themselves are kept, their ``super().tie_weights()`` is not.
-    With ``code`` None nothing is kept. Remaining differences from stock's no-op: docs/limitations.md.
+    With ``code`` None nothing is kept. Remaining differences from stock's no-op:
+    docs/limitations.md.
     """
 
     def __init__(self, code: CodeType | None) -> None:

@@ -453,6 +453,12 @@ def summarise(records: list[dict[str, Any]], clock: str) -> dict[str, dict[str, 
         }
         peaks = [res["rss_peak"] for res in runs.values() if res.get("ok") and res.get("rss_peak")]
         cell["rss_peak_median"] = statistics.median(peaks) if peaks else None
+        growths = [
+            res["rss_peak"] - res["rss_start"]
+            for res in runs.values()
+            if res.get("ok") and res.get("rss_peak") and res.get("rss_start")
+        ]
+        cell["rss_growth_median"] = statistics.median(growths) if growths else None
         problems = sorted({p for res in runs.values() for p in res.get("problems", []) or []})
         cell["problems"] = problems[:5]
         cell["leaked_runs"] = sum(bool(res.get("leaked")) for res in runs.values())
@@ -642,6 +648,21 @@ def build_tables(
             Table(
                 f"PEFT LoRA injection, r=16 on every attention and feed-forward linear ({what}; "
                 f"ratio vs stock low_cpu_mem_usage=True)",
+                ["inject_adapter_in_model", *plan.lora_models],
+                rows,
+            )
+        )
+        rows = []
+        for method in LORA_METHODS:
+            row = [method]
+            for model in plan.lora_models:
+                cell = _cell(summary, "lora", model, method)
+                growth = cell.get("rss_growth_median") if cell else None
+                row.append("-" if growth is None else f"{growth / (1 << 20):,.1f} MiB")
+            rows.append(row)
+        tables.append(
+            Table(
+                "Peak RSS growth of the process during the injection (median)",
                 ["inject_adapter_in_model", *plan.lora_models],
                 rows,
             )

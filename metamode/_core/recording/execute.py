@@ -63,10 +63,10 @@ class _Run:
             generator = torch.Generator()
             generator.set_state(self.snapshots[key])
             return generator
-        generator = self.positioned.pop(key, None) if key is not None else None
-        if generator is None:
+        positioned = self.positioned.pop(key, None) if key is not None else None
+        if positioned is None:
             raise ReplayError(f"no generator state for a draw of {_name(step.call)}")
-        return generator
+        return positioned
 
     def run(self, step: Step) -> Any:
         call, serial = step.call, step.program.serial

@@ -150,12 +150,15 @@ def plan(wanted: Iterable[tuple[Program, int]]) -> Plan:
     chosen.reverse()
     for position, (program, index, call, use) in enumerate(chosen):
         keep = tuple(
-            d.stream for d in call.draws
+            d.stream
+            for d in call.draws
             if draws_needed.get((program.serial, index, d.stream), 0) > 1
         )
-        starts = {
+        starts: dict[int, DrawKey | None] = {
             stream: (p.serial, i, st)
-            for stream, (p, i, st) in _predecessors(program, index, call, previous[program.serial]).items()
+            for stream, (p, i, st) in _predecessors(
+                program, index, call, previous[program.serial]
+            ).items()
         }
         result.steps.append(Step(program, index, call, use, starts, keep))
         for storage in (*call.reads, *call.writes, *call.creates):
@@ -183,7 +186,11 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
         reads = [s for s in call.reads if s != call.target]
         if reason is None:
             reason = next((tainted[(serial, s)] for s in reads if (serial, s) in tainted), None)
-        if reason is None and call.default_dtype is not None and call.default_dtype != default_dtype:
+        if (
+            reason is None
+            and call.default_dtype is not None
+            and call.default_dtype != default_dtype
+        ):
             reason = (
                 f"the build computed it under the default dtype {call.default_dtype}, and the "
                 f"process default is {default_dtype} now (torch.set_default_dtype elsewhere?)"
@@ -201,14 +208,14 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
                 states[(serial, step.index, draw.stream)] = why
                 reason = reason or why
         if step.use is Use.VALUES:
-            for storage in (*call.writes, *call.creates):
-                key = (serial, storage)
-                if storage == call.covers or storage in call.creates:
+            for written in (*call.writes, *call.creates):
+                key = (serial, written)
+                if written == call.covers or written in call.creates:
                     tainted.pop(key, None)  # all of it is this call's result now
                 if reason is not None:
                     tainted.setdefault(key, reason)
-    for program, storage in wanted:
-        key = _key(program, storage)
+    for program, index in wanted:
+        key = _key(program, index)
         reason = _program_reason(program) or tainted.get(key)
         if reason is not None:
             result.refused[key] = reason

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-
 from torch.overrides import TorchFunctionMode
 
 from metamode._core.facts import (
@@ -134,9 +133,8 @@ class Recorder:
         outside = None
         if origin is Origin.OUTSIDE:
             outside = Outside(weakref.ref(tensor), _version(tensor), storage._cdata, None)
-        self.program.storages.append(
-            Storage(origin, tensor.device.type, storage.nbytes(), call, outside)
-        )
+        device = "meta" if tensor.is_meta else tensor.device.type
+        self.program.storages.append(Storage(origin, device, storage.nbytes(), call, outside))
         if tensor.is_inference():
             self.program.storages[
                 index
@@ -170,7 +168,10 @@ class Recorder:
         seen = self._tensors.get(key)
         if seen is not None and seen[0]() is tensor:
             ref = seen[1]
-            version = _version(tensor)
+            try:
+                version = tensor._version
+            except RuntimeError:  # an inference tensor
+                version = -1
             if version != seen[2] and creating_call is None and check:
                 epoch = self._epochs[ref.storage]
                 if epoch == seen[3]:  # no recorded write since: someone else wrote it
@@ -186,10 +187,13 @@ class Recorder:
         else:
             origin = Origin.UNKNOWN if tensor.is_meta else Origin.OUTSIDE
             index = self._new_storage(tensor, origin, None)
-        ref = TensorRef(
-            index, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
-        )
-        self._tensors[key] = (weakref.ref(tensor), ref, _version(tensor), self._epochs[index])
+        offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic
+        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), tensor.stride(), offset)
+        try:
+            version = tensor._version
+        except RuntimeError:
+            version = -1
+        self._tensors[key] = (weakref.ref(tensor), ref, version, self._epochs[index])
         return ref
 
     def _unseen_write(self, ref: TensorRef) -> None:
@@ -216,7 +220,7 @@ class Recorder:
         kind = type(value)
         if kind in _IMMUTABLE:
             return value
-        if _is_tensor(kind):
+        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
             tensors.append(value)
             return self.ref(value, check=False)
         if kind is tuple:
@@ -255,7 +259,8 @@ class Recorder:
         raise CannotCapture(f"an argument of type {kind.__qualname__} metamode cannot copy")
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
-        if _is_tensor(type(value)):
+        kind = type(value)
+        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
             before = len(self.program.storages)
             ref = self.ref(value, creating_call=call)
             if len(self.program.storages) > before:
@@ -291,13 +296,19 @@ class Recorder:
             _scan(tuple(kwargs.values()), tensors, generators)
         if fact.factory and not fact.random and not tensors and not generators:
             return self._made(func, args, kwargs, runner)
-        versions = [_version(t) for t in tensors]
+        try:
+            versions = [t._version for t in tensors]
+        except RuntimeError:  # an inference tensor among them
+            versions = [_version(t) for t in tensors]
         before = [self.ref(t) for t in tensors] if fact.changes_geometry or fact.random else None
         if before is None:
             self._check_writes(tensors, versions)
         draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
         result, skipped = runner.placed_call(func, args, kwargs)
-        written = [t for t, v in zip(tensors, versions, strict=True) if _version(t) != v]
+        try:
+            written = [t for t, v in zip(tensors, versions, strict=True) if t._version != v]
+        except RuntimeError:
+            written = [t for t, v in zip(tensors, versions, strict=True) if _version(t) != v]
         if skipped:
             written.append(tensors[0])
         if fact.changes_geometry:
@@ -327,14 +338,16 @@ class Recorder:
         elif func is _TO:
             captured_args = tuple(_CPU if type(a) is str else a for a in captured_args)
         written_ids = {id(t) for t in written}
-        writes = {ref.storage for t, ref in zip(tensors, inputs, strict=True) if id(t) in written_ids}
+        writes = {
+            ref.storage for t, ref in zip(tensors, inputs, strict=True) if id(t) in written_ids
+        }
         call = Call(
             func,
             captured_args,
             captured_kwargs,
-            reads=(inputs[0].storage,) if len(inputs) == 1 else tuple(
-                dict.fromkeys(ref.storage for ref in inputs)
-            ),
+            reads=(inputs[0].storage,)
+            if len(inputs) == 1
+            else tuple(dict.fromkeys(ref.storage for ref in inputs)),
             writes=tuple(sorted(writes)),
             creates=tuple(creates),
             result=captured_result,
@@ -359,7 +372,11 @@ class Recorder:
         ref = self.ref(target)
         generators: list[Any] = []
         try:
-            captured_args = self._capture(args, [], generators)
+            if args and args[0] is target:  # its reference is known: capture the rest
+                rest = self._capture(args[1:], [], generators) if len(args) > 1 else ()
+                captured_args = (ref, *rest)
+            else:
+                captured_args = self._capture(args, [], generators)
             captured_kwargs = self._capture(kwargs, [], generators) if kwargs else {}
             refused = None
         except CannotCapture as error:
@@ -412,9 +429,7 @@ class Recorder:
         self._append(call, [], [], False)
         return result
 
-    def _stand_in(
-        self, func: Any, original: Any, args: tuple, kwargs: dict, runner: Runner
-    ) -> Any:
+    def _stand_in(self, func: Any, original: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
         """A library's stand-in for a ``torch.nn.init`` function (transformers' checks a
         flag on the tensor first). Where its library said what it does, record that;
         otherwise run it and record the torch calls it makes."""
@@ -479,16 +494,22 @@ class Recorder:
     ) -> None:
         program = self.program
         index = len(program.calls)
-        off = any(program.storages[s].off for s in call.reads)
-        for track, draw in draws:
-            if track is None:
-                continue
-            if not drew_real or draw.start is not Start.ANCHOR:
-                # eager's generator is elsewhere now: say where, in the generator itself
-                mark(track, program, index)
-                off = off or drew_real
-            self._last_draw[track.stream] = index
-        call.draws = tuple(draw for _, draw in draws)
+        storages = program.storages
+        off = False
+        for read in call.reads:
+            if storages[read].off:
+                off = True
+                break
+        if draws:
+            for track, draw in draws:
+                if track is None:
+                    continue
+                if not drew_real or draw.start is not Start.ANCHOR:
+                    # eager's generator is elsewhere now: say where, in the generator itself
+                    mark(track, program, index)
+                    off = off or drew_real
+                self._last_draw[track.stream] = index
+            call.draws = tuple([draw for _, draw in draws])
         for storage in (*call.writes, *call.creates):
             self._epochs[storage] += 1
             info = program.storages[storage]
@@ -496,14 +517,15 @@ class Recorder:
                 info.off = True
             if info.outside is not None:
                 info.outside.written = True
+        known = self._tensors
         for tensor in tensors:
-            seen = self._tensors.get(id(tensor))
+            seen = known.get(id(tensor))
             if seen is not None:
-                self._tensors[id(tensor)] = (
-                    *seen[:2],
-                    _version(tensor),
-                    self._epochs[seen[1].storage],
-                )
+                try:
+                    version = tensor._version
+                except RuntimeError:
+                    version = -1
+                known[id(tensor)] = (seen[0], seen[1], version, self._epochs[seen[1].storage])
         program.calls.append(call)
 
     def _tracks(
@@ -699,7 +721,7 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
         kind = type(value)
         if kind in _IMMUTABLE:
             continue
-        if _is_tensor(kind):
+        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
             tensors.append(value)
         elif kind is tuple or kind is list:
             _scan(value, tensors, generators)

@@ -32,7 +32,9 @@ _HOMES: dict[int, tuple[weakref.ref, dict[str, Entry]]] = {}
 _LOCK = threading.RLock()  # a weak-reference callback may run while it is held
 
 
-def add(tensor: torch.Tensor, program: Program, module: Any = None, name: str | None = None) -> Entry:
+def add(
+    tensor: torch.Tensor, program: Program, module: Any = None, name: str | None = None
+) -> Entry:
     """Note that ``tensor`` was registered while ``program`` recorded."""
     found = Entry(program)
     key = id(tensor)

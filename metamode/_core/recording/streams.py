@@ -101,7 +101,7 @@ _MASK = (1 << 64) - 1
 def _marker_value(program: Program, call: int, stream: int) -> int:
     """A seed naming (program, call, stream): splitmix64 of the three packed, so distinct
     triples give distinct seeds, spread far from the small seeds people pick."""
-    value = ((program.serial & 0xFFFFFF) << 40 | (call & 0xFFFFFFFF) << 8 | stream & 0xFF)
+    value = (program.serial & 0xFFFFFF) << 40 | (call & 0xFFFFFFFF) << 8 | stream & 0xFF
     value = (value + 0x9E3779B97F4A7C15) & _MASK
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK

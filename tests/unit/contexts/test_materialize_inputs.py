@@ -172,7 +172,9 @@ def test_materialize_under_another_default_dtype(make, include_buffers):
     # include_buffers=False: ``promoted`` is a real buffer the build computed exactly; the
     # parameter computed the same way is on meta and needs the replay
     with _default_dtype(torch.float64):
-        assert_exact_or_refused(model, ref, "promoted" if include_buffers else "param", because="dtype")
+        assert_exact_or_refused(
+            model, ref, "promoted" if include_buffers else "param", because="dtype"
+        )
 
 
 @pytest.mark.parametrize("include_buffers", MODES)

@@ -18,7 +18,6 @@ from tests.unit.contexts.materialize_checks import (
     assert_eager_equal,
     assert_refused,
     build_empty,
-    named,
 )
 
 

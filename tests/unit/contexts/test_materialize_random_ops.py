@@ -14,7 +14,6 @@ from torch import nn
 
 from tests.unit.contexts.materialize_checks import (
     MODES,
-    assert_eager_equal,
     assert_exact_or_refused,
     assert_refused,
     assert_same_tensors,

@@ -56,8 +56,9 @@ def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, inc
     torch.manual_seed(0)
     # transformers skips its weight init when it sees the meta device: its shim shows it
     # what eager construction sees
-    with metamode.enabled("transformers"), metamode.empty_weights(
-        include_buffers=include_buffers, replayable=True
+    with (
+        metamode.enabled("transformers"),
+        metamode.empty_weights(include_buffers=include_buffers, replayable=True),
     ):
         model = build()
     part = pick(model)
