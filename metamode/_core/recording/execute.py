@@ -59,14 +59,17 @@ class _Run:
             generator.set_state(draw.state)
             return generator
         key = step.starts.get(draw.stream)
-        if key in self.snapshots:
-            generator = torch.Generator()
-            generator.set_state(self.snapshots[key])
-            return generator
-        positioned = self.positioned.pop(key, None) if key is not None else None
-        if positioned is None:
+        state = self.snapshots.get(key) if key is not None else None
+        if state is None and key is not None:
+            positioned = self.positioned.pop(key, None)
+            if positioned is not None:
+                return positioned
+            state = self.plan.programs[key[0]].states.get((key[1], key[2]))  # an earlier replay's
+        if state is None:
             raise ReplayError(f"no generator state for a draw of {_name(step.call)}")
-        return positioned
+        generator = torch.Generator()
+        generator.set_state(state)
+        return generator
 
     def run(self, step: Step) -> Any:
         call, serial = step.call, step.program.serial
@@ -116,11 +119,13 @@ class _Run:
         for draw, generator in zip(call.draws, generators, strict=True):
             key = (serial, step.index, draw.stream)
             self.positioned[key] = generator
+            state = generator.get_state()
+            step.program.states[(step.index, draw.stream)] = state
             if draw.stream in step.keep:
-                self.snapshots[key] = generator.get_state()
+                self.snapshots[key] = state
             seed = step.program.markers.get((step.index, draw.stream))
             if seed is not None:
-                replayed(seed, generator.get_state())
+                replayed(seed, state)
         return result
 
 

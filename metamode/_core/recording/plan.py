@@ -135,8 +135,10 @@ def plan(wanted: Iterable[tuple[Program, int]]) -> Plan:
         if not (for_values or for_draws):
             continue
         chosen.append((program, index, call, Use.VALUES if for_values else Use.DRAWS))
-        for predecessor in _predecessors(program, index, call, previous[serial]).values():
-            key = (predecessor[0].serial, predecessor[1], predecessor[2])
+        for source, at, stream in _predecessors(program, index, call, previous[serial]).values():
+            if (at, stream) in source.states:
+                continue  # an earlier replay computed the state it starts from
+            key = (source.serial, at, stream)
             draws_needed[key] = draws_needed.get(key, 0) + 1
         reads = {(serial, s) for s in call.reads}
         if for_values:

@@ -188,6 +188,9 @@ class Program:
     default_dtype: torch.dtype = field(default_factory=torch.get_default_dtype)
     # (call index, stream) -> the marker seed its draw left the generator in
     markers: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (call index, stream) -> eager's generator state after that draw, as a replay computed
+    # it: a later plan starts there instead of replaying the draws before it
+    states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     finalizer: Any = None  # drops the program's markers when it is gone
     reference: Any = None  # a weak reference to the program, shared by its markers
     # after the recording: storage address -> (index, weak reference), for tensors that

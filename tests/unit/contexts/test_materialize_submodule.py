@@ -1,9 +1,10 @@
 """materialize(submodule): allocates only that submodule, with exactly the eager values.
 
 The rule: a submodule's tensors get the values the eager build gave them. The
-replay still draws every random number drawn before them (into scratch tensors
-it frees at once), so it costs the random-init time of the whole build, and
-the memory of the submodule plus one scratch tensor at a time.
+replay still draws the random numbers drawn before them (into scratch tensors it
+frees at once), back to the latest generator state an earlier materialize of the
+same build computed; it needs the memory of the submodule plus one scratch tensor
+at a time.
 """
 
 from __future__ import annotations
@@ -85,3 +86,51 @@ def test_a_transformers_model_built_on_meta_without_its_shim_is_refused():
     with pytest.raises(metamode.NotMaterializableError, match="enable_for_transformers"):
         metamode.materialize(model.model.layers[1])
     assert all(t.is_meta for t in model.model.layers[1].parameters())
+
+
+def _steps(part: nn.Module) -> int:
+    from metamode._contexts.materialize import _survey
+
+    _, plan = _survey(part)
+    assert plan is not None
+    return len(plan.steps)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_blocks_materialized_in_order_each_replay_only_their_own_calls(include_buffers):
+    """The state a block's draws start from was computed by the blocks before it."""
+
+    def build():
+        return nn.Sequential(*[Custom() for _ in range(4)])
+
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        model = build()
+    first, last_alone = _steps(model[0]), _steps(model[3])
+    assert last_alone >= 2 * first  # alone, the last block replays every earlier draw
+    state = torch.default_generator.get_state()
+    for index, block in enumerate(model):
+        if index:  # its own calls, and the draw of the block before's discarded head
+            assert _steps(block) == first + 1, index
+        metamode.materialize(block)
+    assert torch.equal(torch.default_generator.get_state(), state)
+    for key, tensor in _tensors(ref).items():
+        assert torch.equal(_tensors(model)[key], tensor), key
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_blocks_materialized_in_reverse_order_equal_eager(include_buffers):
+    def build():
+        return nn.Sequential(*[Custom() for _ in range(3)])
+
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        model = build()
+    for block in reversed(model):
+        metamode.materialize(block)
+    for key, tensor in _tensors(ref).items():
+        assert torch.equal(_tensors(model)[key], tensor), key
