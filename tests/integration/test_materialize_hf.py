@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel
+from diffusers import (
+    AutoencoderKL,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+    UNet2DModel,
+)
 
 import metamode
-from tests.unit.contexts.test_materialize import MODES, assert_eager_equal
+from tests.unit.contexts.materialize_checks import MODES, assert_eager_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -24,6 +30,44 @@ def _llama_config(**extra):
         **extra,
     )
 
+
+def _mixtral_config():
+    return tf.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+
+
+def _t5_config():
+    return tf.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+    )
+
+
+_GEMMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 TRANSFORMERS = {
     "llama_rope": lambda: tf.LlamaForCausalLM(_llama_config()),
@@ -66,6 +110,53 @@ TRANSFORMERS = {
             patch_size=8,
         )
     ),
+    "mixtral_moe": lambda: tf.MixtralForCausalLM(_mixtral_config()),
+    "mixtral_moe_bfloat16_from_config": lambda: tf.AutoModelForCausalLM.from_config(
+        _mixtral_config(), dtype=torch.bfloat16
+    ),
+    "qwen2_moe_shared_expert": lambda: tf.Qwen2MoeForCausalLM(
+        tf.Qwen2MoeConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        )
+    ),
+    "t5_encoder_decoder_tied": lambda: tf.T5ForConditionalGeneration(_t5_config()),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**_GEMMA)),
+    "gemma2_sliding_window": lambda: tf.Gemma2ForCausalLM(
+        tf.Gemma2Config(**_GEMMA, sliding_window=16)
+    ),
+    "gpt_neox": lambda: tf.GPTNeoXForCausalLM(
+        tf.GPTNeoXConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+    ),
+    "falcon": lambda: tf.FalconForCausalLM(
+        tf.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    ),
+    "falcon_new_decoder_architecture": lambda: tf.FalconForCausalLM(
+        tf.FalconConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+        )
+    ),
 }
 
 _UNET2D = dict(
@@ -98,10 +189,43 @@ _VAE = dict(
     up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
 )
 
+_FLUX = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=16,
+    pooled_projection_dim=8,
+    axes_dims_rope=(2, 2, 4),
+)
+_SD3 = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=4,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=16,
+    caption_projection_dim=16,
+    pooled_projection_dim=8,
+    out_channels=4,
+    pos_embed_max_size=8,
+)
+
 DIFFUSERS = {
     "unet2d": lambda: UNet2DModel(**_UNET2D),
     "unet2d_condition_from_config": lambda: UNet2DConditionModel.from_config(_COND_UNET),
     "autoencoder_kl": lambda: AutoencoderKL(**_VAE),
+    "flux_transformer": lambda: FluxTransformer2DModel(**_FLUX),
+    "flux_transformer_guidance_embeds": lambda: FluxTransformer2DModel(
+        **_FLUX, guidance_embeds=True
+    ),
+    "sd3_transformer": lambda: SD3Transformer2DModel(**_SD3),
+    "sd35_transformer_dual_attention_qk_norm": lambda: SD3Transformer2DModel(
+        **_SD3, dual_attention_layers=(0,), qk_norm="rms_norm"
+    ),
 }
 
 
@@ -134,3 +258,47 @@ def test_materialized_llama_generates_like_eager(include_buffers):
         model = assert_eager_equal(lambda: tf.LlamaForCausalLM(_llama_config()), include_buffers)
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialized_mixtral_routes_like_eager(include_buffers):
+    torch.manual_seed(0)
+    ref = tf.MixtralForCausalLM(_mixtral_config())
+    with metamode.enabled("transformers"):
+        model = assert_eager_equal(
+            lambda: tf.MixtralForCausalLM(_mixtral_config()), include_buffers
+        )
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialized_t5_encodes_and_decodes_like_eager(include_buffers):
+    torch.manual_seed(0)
+    ref = tf.T5ForConditionalGeneration(_t5_config())
+    with metamode.enabled("transformers"):
+        model = assert_eager_equal(
+            lambda: tf.T5ForConditionalGeneration(_t5_config()), include_buffers
+        )
+    inputs = dict(
+        input_ids=torch.tensor([[1, 2, 3, 4]]), decoder_input_ids=torch.tensor([[0, 5, 6]])
+    )
+    # eval: T5's dropout would draw from the default generator in each forward
+    assert torch.equal(model.eval()(**inputs).logits, ref.eval()(**inputs).logits)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialized_flux_transformer_denoises_like_eager(include_buffers):
+    torch.manual_seed(0)
+    ref = FluxTransformer2DModel(**_FLUX)
+    model = assert_eager_equal(lambda: FluxTransformer2DModel(**_FLUX), include_buffers)
+    generator = torch.Generator().manual_seed(2)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 4, generator=generator),
+        encoder_hidden_states=torch.randn(1, 3, 16, generator=generator),
+        pooled_projections=torch.randn(1, 8, generator=generator),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(4, 3),
+        txt_ids=torch.zeros(3, 3),
+    )
+    assert torch.equal(model(**inputs).sample, ref(**inputs).sample)
