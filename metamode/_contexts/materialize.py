@@ -26,7 +26,9 @@ __all__ = [
 _CPU = torch.device("cpu")
 # program -> {storage index: a tensor materialize installed there}: a later materialize
 # of another tensor of that storage shares it, as eager construction's tensors do
-_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, weakref.ref]] = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, tuple[weakref.ref, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 # meta buffer -> the buffer materialize put in its place (a module outside the one
 # materialized may still hold the meta one: a later materialize puts the same one there)
 _REPLACED = torch.utils.weak.WeakIdKeyDictionary()
@@ -88,10 +90,12 @@ def _find_entries(slots: list[_Slot]) -> None:
             programs[slot.entry.program.serial] = slot.entry.program
     for slot in slots:
         if slot.entry is None and slot.tensor.is_meta:
-            # made without registration (copy.deepcopy of a built module): known by its
-            # storage to a program that recorded this module's other tensors
+            # made without registration (copy.deepcopy of a built module, a cast by
+            # Module._apply): known by its storage to a program, first those that
+            # recorded this module's other tensors
             address = slot.tensor.untyped_storage()._cdata
-            for program in programs.values():
+            others = [p for p in recording.closed_programs() if p.serial not in programs]
+            for program in [*programs.values(), *others]:
                 known = program.live.get(address)
                 if known is not None and not known[1].expired():
                     tensor = slot.tensor
@@ -168,7 +172,18 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     for slot in slots:
         if slot.wanted:
             earlier = _INSTALLED.get(slot.entry.program, {}).get(slot.entry.ref.storage)  # type: ignore[union-attr]
-            slot.shares = earlier() if earlier is not None else None
+            shares = earlier[0]() if earlier is not None else None
+            if shares is not None and shares.untyped_storage()._cdata != earlier[1]:  # type: ignore[index]
+                slot.reason, slot.wanted = (
+                    (
+                        "it shares memory with a tensor an earlier materialize gave its eager "
+                        "value, and that tensor was given other memory since (a cast, .data =); "
+                        "materialize both together, or before changing it"
+                    ),
+                    False,
+                )
+                continue
+            slot.shares = shares
     wanted = [s for s in slots if s.wanted and s.shares is None]
     if not wanted:
         return slots, None
@@ -333,7 +348,7 @@ class _Installer:
                 )
             installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
-            shared[ref.storage] = weakref.ref(installed)
+            shared[ref.storage] = (weakref.ref(installed), installed.untyped_storage()._cdata)
             self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:
@@ -354,12 +369,17 @@ class _Installer:
         """Install ``value`` for ``slot``; returns the tensor that now holds it."""
         tensor = slot.tensor
         if slot.kind == "parameter":
-            recording.forget(tensor)  # swap_tensors refuses a weakly referenced tensor
+            held = recording.forget(tensor)  # swap_tensors refuses a weakly referenced tensor
+            if held is not None:
+                self._undo.append(functools.partial(recording.remember, tensor, held))
         if _is_dtensor(tensor):
             value = _local_shard(tensor, value)
             self._sharded.add(id(tensor))
         if slot.kind == "buffer" and not _is_dtensor(tensor):
             new_buffer = value.detach()
+            if type(tensor) is not torch.Tensor:  # a tensor subclass: keep its class
+                new_buffer = _torch.make_subclass(type(tensor), new_buffer, False)
+                new_buffer.__dict__ = dict(tensor.__dict__)
             if new_buffer.is_floating_point() or new_buffer.is_complex():
                 new_buffer.requires_grad_(tensor.requires_grad)
             return self.buffer(slot, new_buffer)

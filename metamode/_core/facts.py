@@ -109,13 +109,17 @@ _QUERY_METHODS = frozenset(
         "has_names",
         "is_same_size",
         "dim_order",
-        "data_ptr",
         "requires_grad_",
         "retain_grad",
-        "untyped_storage",
         "__len__",
         "__hash__",
     ]
+)
+# Tensor methods that hand out the tensor's memory to code metamode cannot follow
+# (NumPy, DLPack consumers, raw pointers, storage objects): writes through what they
+# return move no version counter.
+_MEMORY_HANDING_METHODS = frozenset(
+    ["numpy", "__array__", "__dlpack__", "data_ptr", "untyped_storage", "storage", "_storage"]
 )
 # torch functions of the same kind (read metadata or process state, no tensor values)
 _QUERY_FUNCTIONS = frozenset(
@@ -183,7 +187,8 @@ class Fact:
     from arguments that are not tensors (torch's device-constructor list). ``overwrites``:
     writes its first argument without reading its values. ``init``: a ``torch.nn.init``
     function. ``changes_geometry``: may give a tensor argument another storage, shape or
-    strides in place. ``is_meta``, ``device``: a read of that property.
+    strides in place. ``is_meta``, ``device``: a read of that property. ``hands_out_memory``:
+    returns the tensor's memory to code outside torch's dispatch (``numpy()``).
     """
 
     name: str
@@ -196,6 +201,7 @@ class Fact:
     changes_geometry: bool = False
     is_meta: bool = False
     device: bool = False
+    hands_out_memory: bool = False
 
 
 _QUERY_FACT = Fact("query", query=True)
@@ -227,6 +233,10 @@ def _classify(func: Any) -> Fact:
         return Fact(f"{prop}.{name}", changes_geometry=prop in _GEOMETRY_CHANGING)
     if name in _QUERY_METHODS and _is_tensor_method(func):
         return _QUERY_FACT
+    if name in _MEMORY_HANDING_METHODS and (
+        _is_tensor_method(func) or getattr(torch.Tensor, name, None) is func
+    ):
+        return Fact(name, query=True, hands_out_memory=True)
     if name in _QUERY_FUNCTIONS and type(func) is not FunctionType:
         return _QUERY_FACT
     if type(func) is FunctionType:

@@ -11,7 +11,15 @@ from metamode._core.recording.execute import ReplayError, execute
 from metamode._core.recording.plan import Key, Plan, plan
 from metamode._core.recording.program import Program, ProgramState, TensorRef
 from metamode._core.recording.recorder import Recorder
-from metamode._core.recording.registry import Entry, entry, forget, home, weakly_held_elsewhere
+from metamode._core.recording.registry import (
+    Entry,
+    closed_programs,
+    entry,
+    forget,
+    home,
+    remember,
+    weakly_held_elsewhere,
+)
 
 __all__ = [
     "Entry",
@@ -22,10 +30,12 @@ __all__ = [
     "Recorder",
     "ReplayError",
     "TensorRef",
+    "closed_programs",
     "entry",
     "execute",
     "forget",
     "home",
     "plan",
+    "remember",
     "weakly_held_elsewhere",
 ]

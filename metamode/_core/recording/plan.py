@@ -175,11 +175,14 @@ def plan(wanted: Iterable[tuple[Program, int]]) -> Plan:
 def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
     """Forward over the plan: why each storage's value, or each draw's state, is unknown."""
     tainted: dict[Key, str] = {}
+    fixed: dict[Key, str] = {}  # refused whatever is written to them later
     states: dict[DrawKey, str] = {}  # draws after which the generator state is unknown
     default_dtype = torch.get_default_dtype()
     for program in result.programs.values():
         for index, storage in enumerate(program.storages):
-            reason = storage.refused or _origin_reason(storage)
+            if storage.pinned is not None:
+                fixed[_key(program, index)] = storage.pinned
+            reason = storage.pinned or storage.refused or _origin_reason(storage)
             if reason is not None:
                 tainted[_key(program, index)] = reason
     for step in result.steps:
@@ -212,7 +215,7 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
         if step.use is Use.VALUES:
             for written in (*call.writes, *call.creates):
                 key = (serial, written)
-                if written == call.covers or written in call.creates:
+                if (written == call.covers or written in call.creates) and key not in fixed:
                     tainted.pop(key, None)  # all of it is this call's result now
                 if reason is not None:
                     tainted.setdefault(key, reason)

@@ -95,6 +95,9 @@ class Storage:
     # storage drawn from a generator state eager would not have been in)
     off: bool = False
     refused: str | None = None  # why its value cannot be known
+    # why its value cannot be known, whatever the build writes to it later (its memory
+    # was handed out, or a registered twin cannot share it)
+    pinned: str | None = None
 
 
 class Start(enum.Enum):

@@ -86,7 +86,7 @@ _TO = torch.Tensor.to
 _HOST = frozenset(["cpu", "meta"])  # devices whose draws come from the default CPU generator
 _GENERATOR_KEYWORD = ("generator",)
 # what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
-_VALUES = frozenset([int, float, bool, complex, list])
+_VALUES = frozenset([int, float, bool, complex, list, str])
 
 
 class CannotCapture(Exception):
@@ -125,6 +125,8 @@ class Recorder:
         self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
         self._registered: list[tuple[weakref.ref, registry.Entry]] = []
         self._default_track: GeneratorTrack | None = None
+        # storage -> the storages registered views were cut apart from (or into)
+        self._views: dict[int, set[int]] = {}
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
@@ -198,6 +200,8 @@ class Recorder:
 
     def _unseen_write(self, ref: TensorRef) -> None:
         self._epochs[ref.storage] += 1
+        if ref.storage in self._views:
+            self._apart(ref.storage)
         self.program.calls.append(
             Call(
                 _unseen_write,
@@ -277,6 +281,8 @@ class Recorder:
         fact = _FACTS.get(func) or fact_of(func)
         if fact.query:
             result = func(*args, **kwargs)
+            if fact.hands_out_memory and args and _is_tensor(type(args[0])):
+                self._handed_out(func, args[0])
             if self.program.diverged is None and (
                 (fact.is_meta and result is True) or (fact.device and result.type == "meta")
             ):
@@ -510,6 +516,10 @@ class Recorder:
                     off = off or drew_real
                 self._last_draw[track.stream] = index
             call.draws = tuple([draw for _, draw in draws])
+        if self._views:
+            for storage in call.writes:
+                if storage in self._views:
+                    self._apart(storage)
         for storage in (*call.writes, *call.creates):
             self._epochs[storage] += 1
             info = program.storages[storage]
@@ -612,6 +622,18 @@ class Recorder:
         draws = self._begin_draws(fact, generators, [tensor], {}, keywords) if fact.random else []
         self._append(call, [tensor], draws, False)
 
+    def _handed_out(self, func: Any, tensor: torch.Tensor) -> None:
+        """``func`` gave ``tensor``'s memory to code that can write it unseen."""
+        if tensor.is_meta:
+            return  # no memory to write
+        ref = self.ref(tensor)
+        self._value_read(func, [ref])
+        storage = self.program.storages[ref.storage]
+        storage.pinned = storage.pinned or (
+            f"the build handed its memory out through {_name(func)}(), so writes to it "
+            f"through what that returned would be invisible to the recording"
+        )
+
     def _value_read(self, func: Any, inputs: list[TensorRef]) -> None:
         storages = self.program.storages
         if any(storages[ref.storage].off for ref in inputs) and self.program.diverged is None:
@@ -636,6 +658,8 @@ class Recorder:
         """``original`` was registered on ``module`` as ``name``; ``placed`` is the meta
         twin the context put there instead (None if it kept ``original``)."""
         ref = self.ref(original)
+        if ref.storage in self._views:  # the larger tensor a view was cut from, again
+            self._apart(ref.storage)
         target = original
         if placed is not None:
             target = placed
@@ -651,12 +675,33 @@ class Recorder:
                     self._epochs[ref.storage],
                 )
             else:
-                self._copy(original, placed)
+                # a view into part of a larger tensor: its twin has memory of its own, so
+                # a later write through either, or another registration of the larger
+                # one, would not reach the other as in eager
+                twin = self._copy(original, placed).storage
+                self._views.setdefault(ref.storage, set()).add(twin)
+                self._views.setdefault(twin, set()).add(ref.storage)
+                if len(self._views[ref.storage]) > 1:  # a second view cut from it
+                    self._apart(ref.storage)
         self._registered.append(
             (weakref.ref(target), registry.add(target, self.program, module, name))
         )
 
-    def _copy(self, original: torch.Tensor, placed: torch.Tensor) -> None:
+    def _apart(self, storage: int) -> None:
+        """``storage`` was written or registered again: the registered views cut from it
+        (or it from) can no longer equal eager's."""
+        for other in (storage, *self._views.get(storage, ())):
+            for each in (other, *self._views.get(other, ())):
+                info = self.program.storages[each]
+                info.pinned = info.pinned or (
+                    "it was registered as a view into part of a larger tensor "
+                    "(nn.Parameter(t[...])) and one of the two was written or registered "
+                    "again afterwards: on meta the view has memory of its own, so eager's "
+                    "sharing cannot be reproduced; register a tensor of its own "
+                    "(t[...].clone())"
+                )
+
+    def _copy(self, original: torch.Tensor, placed: torch.Tensor) -> TensorRef:
         source = self.ref(original)
         index = len(self.program.calls)
         made = self.ref(placed, creating_call=index)
@@ -672,6 +717,7 @@ class Recorder:
                 seq=next(_SEQUENCE),
             )
         )
+        return made
 
     # -- the end ------------------------------------------------------------------------
     def close(self) -> None:
@@ -689,6 +735,7 @@ class Recorder:
         }
         if program.state is ProgramState.RECORDING:
             program.state = ProgramState.CLOSED
+        registry.closed(program)
         self._tensors = {}
         self._storages = {}
         self._registered = []

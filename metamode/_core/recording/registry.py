@@ -81,9 +81,35 @@ def weakly_held_elsewhere(tensor: torch.Tensor) -> bool:
     return any(ref is not ours for ref in weakref.getweakrefs(tensor))
 
 
-def forget(tensor: torch.Tensor) -> None:
-    """``tensor`` was materialized: it stands for no recording any more."""
+_CLOSED: weakref.WeakSet[Program] = weakref.WeakSet()
+
+
+def closed(program: Program) -> None:
+    """``program``'s recording ended; it may hold storages of tensors never registered."""
+    with _LOCK:
+        _CLOSED.add(program)
+
+
+def closed_programs() -> list[Program]:
+    """Every program whose recording ended and that is still alive."""
+    with _LOCK:
+        return list(_CLOSED)
+
+
+def forget(tensor: torch.Tensor) -> Entry | None:
+    """``tensor`` was materialized: it stands for no recording any more. Returns the entry
+    it had, for :func:`remember`."""
     with _LOCK:
         held = _ENTRIES.get(id(tensor))
         if held is not None and held[0]() is tensor:
             del _ENTRIES[id(tensor)]
+            return held[1]
+    return None
+
+
+def remember(tensor: torch.Tensor, found: Entry) -> None:
+    """Undo :func:`forget`: ``tensor`` stands for ``found`` again."""
+    key = id(tensor)
+    ref = weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r))
+    with _LOCK:
+        _ENTRIES[key] = (ref, found)

