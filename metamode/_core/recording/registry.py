@@ -38,16 +38,17 @@ def add(
     """Note that ``tensor`` was registered while ``program`` recorded."""
     found = Entry(program)
     key = id(tensor)
-    ref = weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r))
-    with _LOCK:
-        _ENTRIES[key] = (ref, found)
-        if module is not None and name is not None:
-            home_key = id(module)
-            homes = _HOMES.get(home_key)
-            if homes is None or homes[0]() is not module:
-                module_ref = weakref.ref(module, lambda r: _drop(_HOMES, home_key, r))
-                homes = _HOMES[home_key] = (module_ref, {})
-            homes[1][name] = found
+    _ENTRIES[key] = (weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r)), found)  # atomic
+    if module is not None and name is not None:
+        home_key = id(module)
+        homes = _HOMES.get(home_key)
+        if homes is None or homes[0]() is not module:
+            with _LOCK:
+                homes = _HOMES.get(home_key)
+                if homes is None or homes[0]() is not module:
+                    module_ref = weakref.ref(module, lambda r: _drop(_HOMES, home_key, r))
+                    homes = _HOMES[home_key] = (module_ref, {})
+        homes[1][name] = found  # atomic
     return found
 
 
