@@ -528,6 +528,7 @@ def test_transformers_linspace_context_is_thread_scoped():
         assert metamode.enable_for_transformers() == (
             "transformers.initialization.meta_device_safe_creation_ops",
             "transformers.initialization.no_tie_weights",
+            "transformers.modeling_utils.get_torch_context_manager_or_global_device",
         )
         linspace = torch.linspace
         inside, other = threading.Event(), threading.Event()
