@@ -1,7 +1,8 @@
 """``python -m metamode bench-materialize``: what replayable builds and materialize cost.
 
 Rows, each measured in a fresh process (peak RSS is growth over the process
-after imports and a warm-up build of the tiny shape; one intra-op thread):
+after imports and a warm-up build and materialize of the tiny shape; one intra-op
+thread):
 
 * build: plain ``empty_weights()`` against ``empty_weights(replayable=True)``,
   both modes (best of ``--reps``);
@@ -50,6 +51,9 @@ def measure(model: str, phase: str, tiny: bool = False) -> dict[str, Any]:
     from metamode.lab import workloads
 
     workloads.build(model, tiny=True)
+    with metamode.empty_weights(replayable=True):  # warm-up: metamode's first use imports
+        warm = workloads.build(model, tiny=True)  # its integrations
+    metamode.materialize(warm)
     torch.set_num_threads(1)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
