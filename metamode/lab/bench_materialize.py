@@ -181,7 +181,9 @@ def main(argv: list[str]) -> int:
         return 0
     rows: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
-    limit_mib = 0.6 * _available_bytes() / 2**20
+    from metamode.lab.bench import _mem_available
+
+    limit_mib = 0.6 * (_mem_available() or 8 * 2**30) / 2**20
     for phase in PHASES:
         model_mib = rows["build"]["model_mib"] if rows else 0.0
         if not phase.startswith("build") and model_mib > limit_mib:
@@ -213,14 +215,3 @@ def main(argv: list[str]) -> int:
             seconds = rows[f"materialize {which} block"]["seconds"]
             print(f"materialize {which} block / eager: {seconds / max(eager, 1e-9):.2f}x")
     return 0
-
-
-def _available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
