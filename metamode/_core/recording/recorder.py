@@ -797,12 +797,6 @@ def _version(tensor: torch.Tensor) -> int:
         return -1
 
 
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    return isinstance(value, tuple | list) and any(_holds_tensor(v) for v in value)
-
-
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
