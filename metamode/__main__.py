@@ -14,6 +14,10 @@ _COMMANDS = {
         "metamode.lab.bench_materialize",
         "time replayable builds and materialize against eager construction",
     ),
+    "dtype-loads": (
+        "metamode.lab.dtype_loads",
+        "concurrent from_pretrained loads with a dtype: races and throughput, stock and metamode",
+    ),
     "doctor": (
         "metamode._diagnostics.doctor",
         "find (and optionally repair) global patches left in torch",

@@ -17,6 +17,7 @@ import torch.nn.init
 from torch.nn.modules import module as _torch_module
 
 from metamode import _torch
+from metamode._core import dtype_windows
 from metamode._core import hooks as _hooks
 from metamode._core import stack as _stack
 from metamode._diagnostics import known_changes as _known_changes
@@ -84,6 +85,7 @@ class DoctorReport:
     findings: tuple[Finding, ...]
     repair_attempted: bool = False
     remaining: tuple[Finding, ...] = ()
+    notes: tuple[str, ...] = ()  # global changes that are intended or in progress, not findings
 
     @property
     def ok(self) -> bool:
@@ -94,8 +96,9 @@ class DoctorReport:
         return tuple(f for f in self.findings if f.repaired)
 
     def __str__(self) -> str:
+        notes = "".join(f"\n- note: {note}" for note in self.notes)
         if self.ok:
-            return "metamode doctor: torch's global state is clean (nothing found)."
+            return f"metamode doctor: torch's global state is clean (nothing found).{notes}"
         count = len(self.findings)
         head = f"metamode doctor: {count} finding{'s' if count != 1 else ''}"
         if self.repair_attempted:
@@ -105,7 +108,7 @@ class DoctorReport:
         else:
             head += "; run metamode.doctor(repair=True) to restore torch's originals"
         body = "\n".join(f"- {finding}".replace("\n", "\n  ") for finding in self.findings)
-        return f"{head}\n{body}"
+        return f"{head}\n{body}{notes}"
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:
         printer.text(str(self))
@@ -138,10 +141,10 @@ def doctor(repair: bool = False) -> DoctorReport:
     """
     findings = _examine()
     if not repair:
-        return DoctorReport(findings, repair_attempted=False, remaining=findings)
+        return DoctorReport(findings, repair_attempted=False, remaining=findings, notes=_notes())
     originals = _Recovered(findings)
     done = tuple(_apply_repair(finding, originals) for finding in findings)
-    return DoctorReport(done, repair_attempted=True, remaining=_examine())
+    return DoctorReport(done, repair_attempted=True, remaining=_examine(), notes=_notes())
 
 
 class _Recovered:
@@ -386,21 +389,77 @@ def _check_peft_skip() -> list[Finding]:
 
 def _check_default_dtype() -> list[Finding]:
     dtype = torch.get_default_dtype()
-    if dtype is torch.float32:
-        return []
+    windows = dtype_windows.state()
+    if dtype is torch.float32 or dtype in windows.running.values():
+        return []  # float32, or the dtype of a load's open window (see _notes)
 
     def restore(_: object) -> str:
+        if dtype_windows.state().stacks:
+            raise _CannotRepair(
+                "a load's dtype window is open: setting the default now would change the "
+                "dtype it builds in; repair when no load is in progress"
+            )
         torch.set_default_dtype(torch.float32)
         return "torch.set_default_dtype(torch.float32)"
 
     return [
         Finding(
             "default dtype",
-            f"is {dtype}, not torch.float32",
-            "unknown: something called torch.set_default_dtype() and did not restore it",
+            f"is {dtype}, not torch.float32: every later factory call in every thread "
+            f"(torch.randn, nn.Linear) makes {dtype} tensors",
+            _dtype_culprit(),
             _repair=restore,
         )
     ]
+
+
+# The loading paths that set torch's default dtype themselves: (module imported when the
+# library is in use, what sets it, the rebinding that routes it through dtype windows).
+_DTYPE_SETTERS = (
+    (
+        "diffusers.models.modeling_utils",
+        "diffusers' ModelMixin.from_pretrained(torch_dtype=...): it restores the default "
+        "without try/finally, and concurrent loads restore each other's",
+        "metamode.integrations.diffusers:_DIFFUSERS_DTYPE",
+    ),
+    (
+        "transformers.modeling_utils",
+        "transformers' from_pretrained(dtype=...) (local_torch_dtype, or 4.x "
+        "_set_default_dtype): concurrent loads restore each other's",
+        "metamode.integrations.transformers:_TRANSFORMERS_DTYPE,_TRANSFORMERS_4_DTYPE",
+    ),
+)
+
+
+def _dtype_culprit() -> str:
+    suspects = []
+    for module, what, routing in _DTYPE_SETTERS:
+        if module not in sys.modules:
+            continue
+        home, names = routing.split(":")
+        rebindings = [getattr(sys.modules.get(home), name, None) for name in names.split(",")]
+        if not any(getattr(r, "enabled", False) for r in rebindings):
+            suspects.append(what)
+    if not suspects:
+        return "unknown: something called torch.set_default_dtype() and did not restore it"
+    return "most likely " + "; or ".join(suspects) + " (metamode.enable() routes these)"
+
+
+def _notes() -> tuple[str, ...]:
+    notes = []
+    windows = dtype_windows.state()
+    for thread, dtype in windows.running.items():
+        notes.append(
+            f"thread {thread} is loading in a dtype window: the process default is {dtype} "
+            f"until the last window closes, then {windows.baseline}"
+        )
+    if "smart_apply" in vars(torch.nn.Module):
+        notes.append(
+            "torch.nn.Module.smart_apply was added by transformers' "
+            "PreTrainedModel.initialize_weights on its first call and stays for the process "
+            "(intended by transformers; repair keeps it: a load in progress calls it)"
+        )
+    return tuple(notes)
 
 
 def _device_contexts_on_stack() -> list[_torch.DeviceContext]:

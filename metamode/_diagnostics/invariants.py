@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from metamode import _torch
+from metamode._core import dtype_windows
 from metamode._core import hooks as _hooks  # noqa: F401  (hooks before any snapshot)
 from metamode._core.stack import stack_depth
 from metamode._diagnostics import known_changes as _known_changes
@@ -38,6 +39,7 @@ class Snapshot:
     default_dtype: torch.dtype
     device_context: object
     mode_stack_depth: int
+    dtype_windows: dict[int, tuple[torch.dtype, ...]]
 
     def changes_since(self, before: Snapshot) -> list[str]:
         """Human-readable differences, empty if the process is as it was."""
@@ -70,6 +72,8 @@ class Snapshot:
                 f"this thread's torch-function mode stack depth "
                 f"{before.mode_stack_depth} -> {self.mode_stack_depth}"
             )
+        if before.dtype_windows != self.dtype_windows:
+            changes.append(f"dtype windows {before.dtype_windows} -> {self.dtype_windows}")
         return changes
 
 
@@ -104,4 +108,5 @@ def snapshot() -> Snapshot:
             None if device_context is None else device_context.device,
         ),
         mode_stack_depth=stack_depth(),
+        dtype_windows=dtype_windows.state().stacks,
     )

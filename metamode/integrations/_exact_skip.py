@@ -19,7 +19,7 @@ from metamode._core.facts import VALUE_WRITING_METHOD_NAMES
 from metamode._core.modes import ThreadScopedMode
 from metamode._core.skip_rule import split_target
 
-__all__ = ["SkipLibraryInit", "library_init_names"]
+__all__ = ["GuardLoadedTensors", "SkipLibraryInit", "library_init_names"]
 
 _INIT_DICT = vars(torch.nn.init)
 _OVERRIDES_DICT = vars(torch.overrides)
@@ -119,9 +119,12 @@ def _is_dispatch(frame: FrameType) -> bool:
     return frame.f_globals is _OVERRIDES_DICT or frame.f_code.co_name == "__torch_function__"
 
 
-def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
+def _called_by_name(
+    frame: FrameType | None, names: frozenset[str], bare_in: tuple[dict, ...] = ()
+) -> bool:
     """True if the innermost ``torch.nn.init`` call around ``frame`` was made as
-    ``<expr>.NAME(...)`` with ``NAME`` in ``names``."""
+    ``<expr>.NAME(...)`` with ``NAME`` in ``names``, or, from the code of a module whose
+    globals are in ``bare_in``, through that module's global ``NAME``."""
     entry = None
     while frame is not None:
         if frame.f_globals is _INIT_DICT:
@@ -132,10 +135,25 @@ def _called_by_name(frame: FrameType | None, names: frozenset[str]) -> bool:
     if entry is None or frame is None:
         return False
     name = _callee_name(frame)
-    if name is None or name not in names:
+    if name is None:
+        if not any(frame.f_globals is module_globals for module_globals in bare_in):
+            return False
+        # A bare-name call: the global NAME of the caller's module that is this function.
+        return any(
+            getattr(frame.f_globals.get(n), "__code__", None) is entry.f_code
+            and frame.f_globals.get(n) is _INIT_DICT.get(n)
+            for n in names
+        )
+    if name not in names:
         return False
     function = _INIT_DICT.get(name)
     return getattr(function, "__code__", None) is entry.f_code
+
+
+def _is_init_candidate(func: object) -> bool:
+    return func in _WRITING_METHODS or (
+        type(func) is FunctionType and func.__globals__ is _INIT_DICT
+    )
 
 
 class SkipLibraryInit(ThreadScopedMode):
@@ -175,10 +193,44 @@ class SkipLibraryInit(ThreadScopedMode):
             kwargs = {}
         if self._inert:
             return func(*args, **kwargs)
-        candidate = func in _WRITING_METHODS or (
-            type(func) is FunctionType and func.__globals__ is _INIT_DICT
-        )
-        if candidate and _called_by_name(sys._getframe(1), self.names):
+        if _is_init_candidate(func) and _called_by_name(sys._getframe(1), self.names):
             target, _ = split_target(args, kwargs)
+            return target
+        return func(*args, **kwargs)
+
+
+class GuardLoadedTensors(ThreadScopedMode):
+    """transformers 5's ``guard_torch_init_functions``, in the calling thread only.
+
+    Stock assigns, for the duration of ``initialize_weights``, its own wrappers to the
+    ``torch.nn.init`` functions named in ``names`` in ``torch.nn.init`` and in each module of
+    ``modules`` (those imported); a wrapper leaves a tensor marked ``_is_hf_initialized``
+    unchanged. This mode leaves such a tensor unchanged for a call that would reach a
+    wrapper: a call expression ``<something>.NAME(...)`` running ``torch.nn.init.NAME``
+    (the rule and the limits of :class:`SkipLibraryInit`), or a call through the global
+    ``NAME`` of one of ``modules``. Everything else runs.
+    """
+
+    def __init__(self, names: frozenset[str], modules: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+        self.modules = modules
+        self._bare_in = tuple(vars(sys.modules[m]) for m in modules if m in sys.modules)
+
+    def _settings(self) -> tuple:
+        return (self.names, self.modules)
+
+    def __repr__(self) -> str:
+        return f"metamode.integrations._exact_skip.GuardLoadedTensors({sorted(self.names)})"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if self._inert or not _is_init_candidate(func):
+            return func(*args, **kwargs)
+        target, _ = split_target(args, kwargs)
+        if getattr(target, "_is_hf_initialized", False) and _called_by_name(
+            sys._getframe(1), self.names, self._bare_in
+        ):
             return target
         return func(*args, **kwargs)

@@ -201,3 +201,102 @@ class Rebinding:
             return importlib.metadata.version(self.package)
         except importlib.metadata.PackageNotFoundError:
             return "(unknown version)"
+
+
+@dataclass
+class ClassAttributeRebinding:
+    """Replace attributes defined on one class of a library, for libraries that keep a
+    process-wide change in a method or classmethod with no module-level name to rebind.
+
+    ``make_replacements(originals)`` gets ``{name: the attribute as vars(cls) holds it}``
+    and returns ``{name: replacement}`` (raising ``IncompatibleLibraryError`` if the
+    originals are not what it knows how to route). ``enable`` sets every replacement on the
+    class, under ``_LOCK`` and all or nothing; ``disable`` puts back every original the
+    class still holds a replacement for. Subclasses that override a name are left alone.
+    """
+
+    package: str
+    extra: str
+    home_module: str
+    class_name: str
+    names: tuple[str, ...]
+    make_replacements: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+    def _key(self, name: str) -> tuple[str, str]:
+        return (self.home_module, f"{self.class_name}.{name}")
+
+    @property
+    def enabled(self) -> bool:
+        return any(self._key(name) in _ORIGINALS for name in self.names)
+
+    @property
+    def _originals(self) -> dict[str, Any]:
+        """``{name: the library's original}`` while enabled (read by the doctor)."""
+        return {n: _ORIGINALS[self._key(n)] for n in self.names if self._key(n) in _ORIGINALS}
+
+    def _class(self) -> type:
+        home = _home_module(self.package, self.extra, self.home_module)
+        owner = vars(home).get(self.class_name)
+        if not isinstance(owner, type):
+            raise IncompatibleLibraryError(
+                f"{self.package} {_version(self.package)} has no class {self.class_name} in "
+                f"{self.home_module}; nothing was changed. Please report this with the version."
+            )
+        return owner
+
+    def enable(self) -> tuple[str, ...]:
+        """Set the replacements; returns the ``module.Class.name`` attributes now metamode's."""
+        with _LOCK:
+            owner = self._class()
+            if not self.enabled:
+                missing = [name for name in self.names if name not in vars(owner)]
+                if missing:
+                    raise IncompatibleLibraryError(
+                        f"{self.package} {_version(self.package)} has no "
+                        f"{', '.join(missing)} on {self.home_module}.{self.class_name}; "
+                        f"nothing was changed. Please report this with the version."
+                    )
+                originals = {name: vars(owner)[name] for name in self.names}
+                if any(_tag_of(_function_of(v)) is not None for v in originals.values()):
+                    raise IncompatibleLibraryError(
+                        f"{self.home_module}.{self.class_name} already holds metamode's "
+                        f"replacements (another copy of metamode enabled this shim?)"
+                    )
+                replacements = self.make_replacements(originals)
+                for name, replacement in replacements.items():
+                    setattr(_function_of(replacement), _TAG, self._key(name))
+                for name in self.names:
+                    setattr(owner, name, replacements[name])
+                for name, original in originals.items():
+                    _ORIGINALS[self._key(name)] = original
+            return self._describe()
+
+    def disable(self) -> tuple[str, ...]:
+        """Put every original back; returns the attributes restored."""
+        with _LOCK:
+            if not self.enabled:
+                return ()
+            owner = self._class()
+            restored = []
+            for name in self.names:
+                original = _ORIGINALS.pop(self._key(name), None)
+                if original is not None and _tag_of(_function_of(vars(owner).get(name))):
+                    setattr(owner, name, original)
+                    restored.append(f"{self.home_module}.{self.class_name}.{name}")
+            return tuple(restored)
+
+    def _describe(self) -> tuple[str, ...]:
+        return tuple(f"{self.home_module}.{self.class_name}.{name}" for name in self.names)
+
+
+def _function_of(attribute: Any) -> Any:
+    """The function a ``classmethod`` or ``staticmethod`` holds; else the attribute."""
+    return getattr(attribute, "__func__", attribute)
+
+
+def _home_module(package: str, extra: str, home_module: str) -> ModuleType:
+    return Rebinding(package, extra, home_module, {})._import_home()
+
+
+def _version(package: str) -> str:
+    return Rebinding(package, "", "", {})._version()

@@ -6,12 +6,24 @@ stays global: docs/limitations.md.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+from collections.abc import Mapping
+from typing import Any
 
+import torch
+
+from metamode._core import dtype_windows
 from metamode.integrations import accelerate as _accelerate
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
-from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
+from metamode.integrations._rebind import (
+    _LOCK,
+    SHARED,
+    ClassAttributeRebinding,
+    IncompatibleLibraryError,
+    Rebinding,
+)
 from metamode.integrations._registry import Integration, register
 
 __all__ = ["disable_for_diffusers", "enable_for_diffusers"]
@@ -30,6 +42,49 @@ _DIFFUSERS = Rebinding(
     replacements={"no_init_weights": no_init_weights},
 )
 
+
+def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
+    """``ModelMixin``'s ``_set_default_torch_dtype`` and ``from_pretrained``, with the
+    process default dtype set in a dtype window (:mod:`metamode._core.dtype_windows`) that
+    ``from_pretrained`` closes when it returns or raises."""
+    load = originals["from_pretrained"].__func__
+
+    def _set_default_torch_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
+                f"a floating point dtype"
+            )
+        sys.modules[_DIFFUSERS.home_module].logger.info(
+            f"Instantiating {cls.__name__} model under default dtype {dtype}."
+        )
+        dtype_windows.open_window(dtype)
+        # What from_pretrained "restores" after building: this window's own dtype.
+        return dtype
+
+    @functools.wraps(load)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        depth = dtype_windows.windows_open_in_this_thread()
+        try:
+            return load(cls, *args, **kwargs)
+        finally:
+            dtype_windows.close_windows_opened_since(depth)
+
+    return {
+        "_set_default_torch_dtype": classmethod(_set_default_torch_dtype),
+        "from_pretrained": classmethod(from_pretrained),
+    }
+
+
+_DIFFUSERS_DTYPE = ClassAttributeRebinding(
+    package="diffusers",
+    extra="diffusers",
+    home_module="diffusers.models.modeling_utils",
+    class_name="ModelMixin",
+    names=("_set_default_torch_dtype", "from_pretrained"),
+    make_replacements=_dtype_window_methods,
+)
+
 # SHARED["diffusers turned accelerate on"]: whether enable_for_diffusers() is what
 # turned the accelerate shim on, so that disable_for_diffusers() undoes exactly
 # what it did (kept in _rebind so that a reload of this module keeps it).
@@ -42,9 +97,12 @@ def enable_for_diffusers() -> tuple[str, ...]:
     Rebinds ``no_init_weights`` (by identity, wherever diffusers bound it) to a
     thread-scoped context that skips exactly the ``torch.nn.init`` calls diffusers' own
     skips (its ``TORCH_INIT_FUNCTIONS``, read now), so models come out bitwise as stock;
-    and, if accelerate is installed, enables :func:`metamode.enable_for_accelerate`.
-    All or nothing, under a lock; idempotent; safe before or after diffusers' submodules
-    are imported. Loads with ``torch_dtype=`` still set torch's process-wide default dtype.
+    sets ``ModelMixin._set_default_torch_dtype`` and ``ModelMixin.from_pretrained`` to
+    versions that hold ``torch_dtype=`` as a dtype window (loads needing different dtypes
+    take turns, the process default is put back after the last; docs/design.md, "Dtype
+    windows"); and, if accelerate is installed, enables
+    :func:`metamode.enable_for_accelerate`. All or nothing, under a lock; idempotent; safe
+    before or after diffusers' submodules are imported.
 
     Returns the rebound ``module.name`` bindings (accelerate's included).
 
@@ -62,6 +120,11 @@ def enable_for_diffusers() -> tuple[str, ...]:
             bound.extend(_accelerate.enable_for_accelerate())
         try:
             bound.extend(_DIFFUSERS.enable())
+            try:
+                bound.extend(_DIFFUSERS_DTYPE.enable())
+            except BaseException:
+                _DIFFUSERS.disable()
+                raise
         except BaseException:
             if turned_on:
                 _accelerate.disable_for_accelerate()
@@ -89,14 +152,14 @@ def disable_for_diffusers() -> tuple[str, ...]:
     Returns the restored bindings (empty if the shim was not enabled).
     """
     with _LOCK:
-        restored = list(_DIFFUSERS.disable())
+        restored = [*_DIFFUSERS.disable(), *_DIFFUSERS_DTYPE.disable()]
         if SHARED.pop(_TURNED_ON, False):
             restored.extend(_accelerate.disable_for_accelerate())
         return tuple(sorted(restored))
 
 
 def diffusers_enabled() -> bool:
-    return _DIFFUSERS.enabled
+    return _DIFFUSERS.enabled or _DIFFUSERS_DTYPE.enabled
 
 
 register(

@@ -10,16 +10,21 @@ process-global: docs/limitations.md.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import inspect
 import sys
 import weakref
+from collections.abc import Iterator, Mapping
 from types import CodeType, FrameType, FunctionType
+from typing import Any
 
 import torch
 
 from metamode._contexts.empty_weights import init_on_device as _init_on_device
 from metamode._contexts.empty_weights import skip_empty_weights
+from metamode._core import dtype_windows
 from metamode._core import stack as _stack
 from metamode._core.facts import register_meta_branch, register_stand_in
 from metamode._core.modes import (
@@ -28,8 +33,18 @@ from metamode._core.modes import (
     ThreadScopedMode,
     active_empty_weights,
 )
-from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
-from metamode.integrations._rebind import _LOCK, SHARED, IncompatibleLibraryError, Rebinding
+from metamode.integrations._exact_skip import (
+    GuardLoadedTensors,
+    SkipLibraryInit,
+    library_init_names,
+)
+from metamode.integrations._rebind import (
+    _LOCK,
+    SHARED,
+    ClassAttributeRebinding,
+    IncompatibleLibraryError,
+    Rebinding,
+)
 from metamode.integrations._registry import Integration, register
 
 _MODELING_UTILS = "transformers.modeling_utils"
@@ -199,6 +214,150 @@ _TRANSFORMERS_4 = Rebinding(
 )
 
 
+@contextlib.contextmanager
+def local_torch_dtype(dtype: torch.dtype, model_class_name: str | None = None) -> Iterator[None]:
+    """metamode's replacement for ``transformers.modeling_utils.local_torch_dtype``: the
+    same check, then ``dtype`` as the process default in a dtype window
+    (:mod:`metamode._core.dtype_windows`) instead of a capture and restore."""
+    if not dtype.is_floating_point:
+        if model_class_name is not None:
+            message = (
+                f"{model_class_name} cannot be instantiated under `dtype={dtype}` as it's not "
+                f"a floating-point dtype"
+            )
+        else:
+            message = f"Cannot set `{dtype}` as torch's default as it's not a floating-point dtype"
+        raise ValueError(message)
+    with dtype_windows.dtype_window(dtype):
+        yield
+
+
+_TRANSFORMERS_DTYPE = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    replacements={"local_torch_dtype": local_torch_dtype},
+)
+
+
+def _unguarded(initialize_weights: Any) -> Any:
+    """The function ``@torch.no_grad()`` and ``@init.guard_torch_init_functions()`` wrap
+    in ``PreTrainedModel.initialize_weights``; ``IncompatibleLibraryError`` if the
+    attribute is not built that way."""
+    initialization = sys.modules["transformers.initialization"]
+    guard = inspect.unwrap(vars(initialization)["guard_torch_init_functions"])
+    guarded = getattr(initialize_weights, "__wrapped__", None)
+    raw = getattr(guarded, "__wrapped__", None)
+    cells = [c.cell_contents for c in getattr(guarded, "__closure__", None) or ()]
+    outer = [c.cell_contents for c in getattr(initialize_weights, "__closure__", None) or ()]
+    if not (
+        isinstance(raw, FunctionType)
+        and any(getattr(c, "func", None) is guard for c in cells)
+        and any(isinstance(getattr(c, "__self__", None), torch.no_grad) for c in outer)
+    ):
+        raise IncompatibleLibraryError(
+            f"transformers {_TRANSFORMERS._version()}: PreTrainedModel.initialize_weights is "
+            f"not @torch.no_grad() over @init.guard_torch_init_functions(), so metamode "
+            f"cannot run it with a thread-scoped guard; nothing was changed. Please report "
+            f"this with the version."
+        )
+    return raw
+
+
+def _thread_scoped_guard(originals: Mapping[str, Any]) -> dict[str, Any]:
+    raw = _unguarded(originals["initialize_weights"])
+    initialization = sys.modules["transformers.initialization"]
+    names = library_init_names(initialization)
+    modules = tuple(initialization.TORCH_MODULES_TO_PATCH)
+
+    @functools.wraps(raw)
+    def initialize_weights(self: Any) -> Any:
+        with torch.no_grad(), GuardLoadedTensors(names, modules):
+            return raw(self)
+
+    return {"initialize_weights": initialize_weights}
+
+
+_TRANSFORMERS_GUARD = ClassAttributeRebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    class_name="PreTrainedModel",
+    names=("initialize_weights",),
+    make_replacements=_thread_scoped_guard,
+)
+
+
+def _guards_torch_init() -> bool:
+    initialization = importlib.import_module("transformers.initialization")
+    return "guard_torch_init_functions" in vars(initialization)
+
+
+def _without_restore(method: Any) -> FunctionType:
+    """The function transformers 4.x's ``@restore_default_dtype`` wraps in ``method``
+    (a classmethod); ``IncompatibleLibraryError`` if it does not."""
+    restore = vars(sys.modules[_MODELING_UTILS]).get("restore_default_dtype")
+    wrapper = getattr(method, "__func__", None)
+    raw = getattr(wrapper, "__wrapped__", None)
+    if not (
+        callable(restore)
+        and isinstance(raw, FunctionType)
+        and getattr(wrapper, "__code__", None) is getattr(restore(raw), "__code__", ())
+    ):
+        raise IncompatibleLibraryError(
+            f"transformers {_TRANSFORMERS._version()}: {getattr(raw, '__qualname__', method)} "
+            f"is not a classmethod over @restore_default_dtype, so metamode cannot hold its "
+            f"dtype as a window; nothing was changed. Please report this with the version."
+        )
+    return raw
+
+
+def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 4.x ``PreTrainedModel``: ``_set_default_dtype`` opens a dtype window;
+    ``from_pretrained`` and ``_from_config`` close the windows they opened when they return
+    or raise (instead of ``@restore_default_dtype``'s capture and restore)."""
+
+    def _set_default_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
+                f"a floating point dtype"
+            )
+        sys.modules[_MODELING_UTILS].logger.info(
+            f"Instantiating {cls.__name__} model under default dtype {dtype}."
+        )
+        dtype_windows.open_window(dtype)
+        # What the caller "restores" after building: this window's own dtype.
+        return dtype
+
+    def closing_windows(raw: FunctionType) -> classmethod:
+        @functools.wraps(raw)
+        def method(cls: type, *args: Any, **kwargs: Any) -> Any:
+            depth = dtype_windows.windows_open_in_this_thread()
+            try:
+                return raw(cls, *args, **kwargs)
+            finally:
+                dtype_windows.close_windows_opened_since(depth)
+
+        return classmethod(method)
+
+    return {
+        "_set_default_dtype": classmethod(_set_default_dtype),
+        "from_pretrained": closing_windows(_without_restore(originals["from_pretrained"])),
+        "_from_config": closing_windows(_without_restore(originals["_from_config"])),
+    }
+
+
+_TRANSFORMERS_4_DTYPE = ClassAttributeRebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    class_name="PreTrainedModel",
+    names=("_set_default_dtype", "from_pretrained", "_from_config"),
+    make_replacements=_dtype_window_methods_4,
+)
+
+
 _PROBE = "get_torch_context_manager_or_global_device"
 _PROBE_ORIGINAL = "transformers: device probe"  # SHARED key: transformers' own function
 
@@ -225,7 +384,7 @@ _TRANSFORMERS_PROBE = Rebinding(
 )
 
 # transformers 5: each is enabled when its names exist in its home module.
-_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES, _TRANSFORMERS_PROBE)
+_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES, _TRANSFORMERS_PROBE, _TRANSFORMERS_DTYPE)
 
 
 def _has_initialization_module() -> bool:
@@ -254,6 +413,11 @@ def _enable_4() -> tuple[str, ...]:
     bound = _TRANSFORMERS_4.enable()
     try:
         bound += _TRANSFORMERS_4_EMPTY.enable()
+        try:
+            bound += _TRANSFORMERS_4_DTYPE.enable()
+        except BaseException:
+            _TRANSFORMERS_4_EMPTY.disable()
+            raise
     except BaseException:
         _TRANSFORMERS_4.disable()
         raise
@@ -267,7 +431,11 @@ def _enable_4() -> tuple[str, ...]:
 
 
 def _disable_4() -> tuple[str, ...]:
-    restored = [*_TRANSFORMERS_4.disable(), *_TRANSFORMERS_4_EMPTY.disable()]
+    restored = [
+        *_TRANSFORMERS_4.disable(),
+        *_TRANSFORMERS_4_EMPTY.disable(),
+        *_TRANSFORMERS_4_DTYPE.disable(),
+    ]
     module = sys.modules.get(_MODELING_UTILS)
     flag = SHARED.pop(_FLAG, None)
     if module is not None and isinstance(vars(module).get("_init_weights"), InitWeightsFlag):
@@ -322,6 +490,8 @@ def enable_for_transformers() -> tuple[str, ...]:
             for rebinding in rebindings:
                 bound += rebinding.enable()
                 done.append(rebinding)
+            if _guards_torch_init():
+                bound += _TRANSFORMERS_GUARD.enable()
         except BaseException:
             for rebinding in reversed(done):
                 rebinding.disable()
@@ -335,12 +505,16 @@ def disable_for_transformers() -> tuple[str, ...]:
     Returns the restored bindings (empty if the shim was not enabled).
     """
     with _LOCK:
-        restored = [r.disable() for r in _REBINDINGS_5]
+        restored = [r.disable() for r in (*_REBINDINGS_5, _TRANSFORMERS_GUARD)]
         return tuple(sorted((*(b for r in restored for b in r), *_disable_4())))
 
 
 def transformers_enabled() -> bool:
-    return any(r.enabled for r in _REBINDINGS_5) or _TRANSFORMERS_4.enabled
+    return (
+        any(r.enabled for r in _REBINDINGS_5)
+        or _TRANSFORMERS_GUARD.enabled
+        or _TRANSFORMERS_4.enabled
+    )
 
 
 register(

@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 import metamode
+from metamode._core import dtype_windows
 from metamode.integrations import _registry
 from metamode.lab.scenarios import run_rounds
 from metamode.lab.threads import WAIT_S, run_threads, wait
@@ -586,8 +587,9 @@ def _differs(model: nn.Module, reference: nn.Module) -> list[str]:
 def llama_race(directory: str) -> dict[str, Any]:
     """Two tiny tied-embedding Llamas loaded at once, float16 and float32, forced overlap.
 
-    A (float16) is inside its construction contexts when B (float32) enters
-    its own; A then finishes while B is still inside (the order that leaks).
+    A (float16) is inside its construction contexts when B (float32) has started (inside
+    its own contexts, or parked on A's dtype window); A then finishes while B is still
+    inside (the order that leaks).
     Afterwards: both models against sequential loads, what is left of the
     process-global state, and a later load.
     """
@@ -616,26 +618,42 @@ def llama_race(directory: str) -> dict[str, Any]:
     }
     a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
     models: dict[torch.dtype, nn.Module] = {}
+    b_thread: list[int] = []
 
-    def load(dtype, entered, waits_for, gates) -> None:
+    def b_started(state) -> bool:
+        # B inside its construction (stock), or parked on A's dtype window (metamode).
+        return b_in.is_set() or (bool(b_thread) and b_thread[0] in state.parked)
+
+    def notify() -> None:
+        with dtype_windows._condition:
+            dtype_windows._condition.notify_all()
+
+    def load(dtype, gates) -> None:
         def gate() -> None:
-            entered.set()
-            wait(waits_for, "the other loader")
+            if dtype == torch.float16:
+                a_in.set()
+                if not dtype_windows.wait_until(b_started, 60):
+                    raise TimeoutError("deadlocked waiting for B")
+            else:
+                b_in.set()
+                notify()
+                wait(a_done, "A's load")
 
         gates.arm(gate)
         try:
             models[dtype] = LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
         finally:
-            entered.set()
             if dtype == torch.float16:
                 a_done.set()
 
     def b(gates) -> None:
         wait(a_in, "A to enter")
-        load(torch.float32, b_in, a_done, gates)
+        b_thread.append(threading.get_ident())
+        notify()
+        load(torch.float32, gates)
 
     with _Gates() as gates:
-        run_threads([lambda: load(torch.float16, a_in, b_in, gates), lambda: b(gates)])
+        run_threads([lambda: load(torch.float16, gates), lambda: b(gates)])
     later = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return {
         "float16_model_differs": _differs(models[torch.float16], sequential[torch.float16])[:2],
@@ -668,33 +686,34 @@ def xglm_buffer_dtypes() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("enable", [False, True], ids=["stock", "metamode.enable"])
 def test_concurrent_transformers_loads_in_float16_and_float32(tmp_path, enable):
-    """Stock corrupts; metamode's shim fixes ``torch.linspace`` and ``tie_weights``,
-    not the default dtype (documented limits)."""
+    """Stock corrupts both models and leaves the process in float16; with the shim, each
+    model is a lone load's and the default ends float32 (tests/integration/test_dtype_loads.py
+    covers diffusers and transformers 4)."""
     result = run_python(
         _LLAMA_SUBPROCESS.format(repo=str(REPO), enable=enable, directory=str(tmp_path))
     )
-    # Fixed by the shim: the torch.linspace wrapper no longer outlives the loads...
+    # The torch.linspace wrapper no longer outlives the loads...
     assert result["linspace_is_torchs"] is enable
     # ...nor does no_tie_weights' no-op on PreTrainedModel.tie_weights, which in stock
     # leaves B's lm_head.weight on meta, and every later tied load's
     # (tests/unit/integrations/test_transformers_ties.py).
     assert result["tie_weights_is_transformers"] is enable
     if enable:
+        assert result["float16_model_differs"] == []
         assert result["float32_model_differs"] == []
+        assert result["default_dtype_after"] == "torch.float32"
         assert result["later_load_lm_head_device"] == "cpu"
-    else:
-        assert result["float32_model_differs"] == ["lm_head.weight differs (meta, torch.float32)"]
-        assert result["later_load_lm_head_device"] == "meta"
-    # Not fixable without assigning class attributes or torch functions
-    # (docs/limitations.md), so identical with and without metamode:
-    assert result["default_dtype_after"] == "torch.float16"  # B restored A's float16
-    assert result["float16_model_differs"], "A built part of its model in float32"
-    if enable:
-        # default_dtype cannot reach torch.get_default_dtype(): XGLM's buffer stays float32.
+        # Why a dtype window and not default_dtype: a thread-scoped dtype cannot reach
+        # torch.get_default_dtype(), so XGLM's buffer would stay float32.
         assert result["xglm"] == {
             "parameters": "{torch.float16}",
             "embed_positions": "torch.float32",
         }
+    else:
+        assert result["float32_model_differs"] == ["lm_head.weight differs (meta, torch.float32)"]
+        assert result["later_load_lm_head_device"] == "meta"
+        assert result["default_dtype_after"] == "torch.float16"  # B restored A's float16
+        assert result["float16_model_differs"], "A built part of its model in float32"
 
 
 def test_a_release_without_the_targeted_module_is_refused_as_incompatible():

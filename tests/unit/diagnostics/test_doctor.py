@@ -325,3 +325,54 @@ def test_python_m_metamode_doctor_dispatches_here(capsys):
 
 def _doctor_targets(report: _doctor.DoctorReport) -> set[str]:
     return {finding.target for finding in report.findings}
+
+
+# -- the default dtype and the loads that set it ------------------------------------------
+
+
+def test_a_left_default_dtype_names_the_loading_paths_that_set_it():
+    import diffusers.models.modeling_utils  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    torch.set_default_dtype(torch.float16)
+    try:
+        [finding] = metamode.doctor().findings
+        assert finding.target == "default dtype"
+        assert "ModelMixin.from_pretrained(torch_dtype=...)" in finding.culprit
+        assert "transformers' from_pretrained(dtype=...)" in finding.culprit
+        with metamode.enabled():  # routed paths are no longer suspects
+            [finding] = metamode.doctor().findings
+            assert finding.culprit.startswith("unknown")
+        repaired = metamode.doctor(repair=True)
+        assert repaired.findings[0].repaired and torch.get_default_dtype() is torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_loads_open_dtype_window_is_a_note_and_blocks_the_dtype_repair():
+    from metamode._core.dtype_windows import dtype_window
+
+    with dtype_window(torch.float16):
+        report = metamode.doctor()
+        assert report.ok
+        assert any("dtype window" in note for note in report.notes)
+        assert "note: thread" in str(report)
+        torch.set_default_dtype(torch.float64)  # someone else's, inside the window
+        repaired = metamode.doctor(repair=True)
+        [finding] = repaired.findings
+        assert not finding.repaired and "window is open" in finding.action
+        assert torch.get_default_dtype() is torch.float64
+        torch.set_default_dtype(torch.float16)
+    assert torch.get_default_dtype() is torch.float32
+
+
+def test_transformers_smart_apply_is_a_note_not_a_finding():
+    added = "smart_apply" not in vars(nn.Module)
+    if added:
+        nn.Module.smart_apply = lambda module, fn: module  # what transformers adds
+    try:
+        report = metamode.doctor()
+        assert any("smart_apply" in note for note in report.notes)
+    finally:
+        if added:
+            del nn.Module.smart_apply
