@@ -25,7 +25,9 @@ __all__ = [
     "WindowState",
     "close_window",
     "close_windows_opened_since",
+    "closing_call",
     "dtype_window",
+    "inside_closing_call",
     "open_window",
     "state",
     "wait_until",
@@ -150,6 +152,28 @@ def close_windows_opened_since(depth: int) -> None:
     """Close the calling thread's windows down to ``depth`` open ones."""
     while windows_open_in_this_thread() > depth:
         close_window()
+
+
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def closing_call() -> Iterator[None]:
+    """Mark the calling thread as inside a library call that closes, when it returns or
+    raises, the windows opened during it (a load whose library restores the default dtype
+    inline, with no context manager to route)."""
+    depth = windows_open_in_this_thread()
+    _calls.depth = getattr(_calls, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _calls.depth -= 1
+        close_windows_opened_since(depth)
+
+
+def inside_closing_call() -> bool:
+    """True inside :func:`closing_call` in this thread: a window opened now will be closed."""
+    return getattr(_calls, "depth", 0) > 0
 
 
 @contextlib.contextmanager

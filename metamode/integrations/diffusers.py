@@ -48,8 +48,11 @@ def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
     process default dtype set in a dtype window (:mod:`metamode._core.dtype_windows`) that
     ``from_pretrained`` closes when it returns or raises."""
     load = originals["from_pretrained"].__func__
+    stock_set = originals["_set_default_torch_dtype"].__func__
 
     def _set_default_torch_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
+        if not dtype_windows.inside_closing_call():  # a load that began before enable()
+            return stock_set(cls, dtype)
         if not dtype.is_floating_point:
             raise ValueError(
                 f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
@@ -64,11 +67,8 @@ def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
 
     @functools.wraps(load)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        depth = dtype_windows.windows_open_in_this_thread()
-        try:
+        with dtype_windows.closing_call():
             return load(cls, *args, **kwargs)
-        finally:
-            dtype_windows.close_windows_opened_since(depth)
 
     return {
         "_set_default_torch_dtype": classmethod(_set_default_torch_dtype),

@@ -317,7 +317,11 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
     ``from_pretrained`` and ``_from_config`` close the windows they opened when they return
     or raise (instead of ``@restore_default_dtype``'s capture and restore)."""
 
+    stock_set = originals["_set_default_dtype"].__func__
+
     def _set_default_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
+        if not dtype_windows.inside_closing_call():  # a load that began before enable()
+            return stock_set(cls, dtype)
         if not dtype.is_floating_point:
             raise ValueError(
                 f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
@@ -333,11 +337,8 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
     def closing_windows(raw: FunctionType) -> classmethod:
         @functools.wraps(raw)
         def method(cls: type, *args: Any, **kwargs: Any) -> Any:
-            depth = dtype_windows.windows_open_in_this_thread()
-            try:
+            with dtype_windows.closing_call():
                 return raw(cls, *args, **kwargs)
-            finally:
-                dtype_windows.close_windows_opened_since(depth)
 
         return classmethod(method)
 

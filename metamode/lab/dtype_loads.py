@@ -72,7 +72,28 @@ def save_models(directory: str) -> dict[str, str]:
         )  # fmt: skip
         paths["unet"] = os.path.join(directory, "unet")
         unet.save_pretrained(paths["unet"])
+    if _installed("diffusers") and _installed("transformers"):
+        paths["sdxl"] = os.path.join(directory, "sdxl")
+        _tiny_sdxl_with_text_encoders().save_pretrained(paths["sdxl"])
     return paths
+
+
+def _tiny_sdxl_with_text_encoders() -> Any:
+    """The tiny SDXL pipeline with two tiny CLIP text encoders (transformers models)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from metamode.lab.tiny_sdxl import build_tiny_sdxl_pipeline
+
+    pipe = build_tiny_sdxl_pipeline()
+    config = CLIPTextConfig(
+        vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=16, projection_dim=8,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    pipe.register_modules(
+        text_encoder=CLIPTextModel(config), text_encoder_2=CLIPTextModelWithProjection(config)
+    )
+    return pipe
 
 
 def _installed(library: str) -> bool:
@@ -82,7 +103,17 @@ def _installed(library: str) -> bool:
 
 
 def loader(name: str, path: str) -> Callable[[torch.dtype], nn.Module]:
-    """``from_pretrained`` of the saved model ``name`` with a dtype."""
+    """``from_pretrained`` of the saved model ``name`` with a dtype (a pipeline's
+    ``nn.Module`` components as one ``nn.ModuleDict``)."""
+    if name == "sdxl":
+        from diffusers import DiffusionPipeline
+
+        def load_pipeline(dtype: torch.dtype) -> nn.Module:
+            pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+            modules = {k: v for k, v in pipe.components.items() if isinstance(v, nn.Module)}
+            return nn.ModuleDict(modules)
+
+        return load_pipeline
     if name == "unet":
         from diffusers import UNet2DModel
 
@@ -295,6 +326,7 @@ _RACES = {
     "transformers, float16 + float32": "llama:float16,llama:float32",
     "transformers, same dtype (Llama + GPT-2, float32)": "llama:float32,gpt2:float32",
     "diffusers, float16 + float32": "unet:float16,unet:float32",
+    "diffusers SDXL pipeline, float16 + float32": "sdxl:float16,sdxl:float32",
 }
 
 
