@@ -42,8 +42,19 @@ _INIT_MODULES = (
 )
 
 
-def save_models(directory: str) -> dict[str, str]:
-    """Save a tiny tied Llama, a tiny tied GPT-2 and a tiny UNet2DModel; their paths."""
+# Llama sizes: tiny (2 layers of width 16, Python-bound loads) and small (4 layers of width
+# 512, 23M parameters: loads spend most of their time in torch's kernels and memory copies).
+_LLAMA_SIZES = {
+    "tiny": {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2},
+    "small": {
+        "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+    },
+}  # fmt: skip
+
+
+def save_models(directory: str, size: str = "tiny") -> dict[str, str]:
+    """Save a tied Llama of ``size``, a tiny tied GPT-2, a tiny UNet2DModel and a tiny SDXL
+    pipeline with text encoders; their paths."""
     paths = {}
     torch.manual_seed(0)
     if _installed("transformers"):
@@ -52,9 +63,8 @@ def save_models(directory: str) -> dict[str, str]:
 
         transformers.logging.set_verbosity_error()
         llama = LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-            tie_word_embeddings=True,
+            **_LLAMA_SIZES[size], num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=32, tie_word_embeddings=True,
         )  # fmt: skip
         paths["llama"] = os.path.join(directory, "llama")
         LlamaForCausalLM(llama).save_pretrained(paths["llama"])
@@ -336,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="stock,metamode")
     parser.add_argument("--throughput", action="store_true", help="time loads instead")
     parser.add_argument("--loads", type=int, default=10, help="loads per thread (--throughput)")
+    parser.add_argument(
+        "--size", choices=sorted(_LLAMA_SIZES), default="tiny", help="the Llama's size"
+    )
+    parser.add_argument("--models", default="llama,unet", help="models timed (--throughput)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings = args.settings.split(",")
     with tempfile.TemporaryDirectory() as directory:
-        paths = save_models(directory)
+        paths = save_models(directory, args.size)
         common = ["--paths", json.dumps(paths)]
         if not args.throughput:
             for title, pairs in _RACES.items():
@@ -361,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                     print(f"{title}, {setting}: {json.dumps(result)}")
             return 0
-        for model in [m for m in ("llama", "unet") if m in paths]:
+        for model in [m for m in args.models.split(",") if m in paths]:
             for pairs in ("float16,float32", "float16,float16"):
                 for setting in [*settings, "lock"]:
                     result = _run_child(
