@@ -133,6 +133,16 @@ def loader(name: str, path: str) -> Callable[[torch.dtype], nn.Module]:
     return lambda dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
+def not_torchs() -> list[str]:
+    """The ``torch.nn.init`` names in the modules transformers' guard patches that hold a
+    function defined outside torch."""
+    return sorted(
+        name
+        for name, value in init_functions().items()
+        if not str(getattr(value, "__module__", "")).startswith("torch")
+    )
+
+
 def init_functions() -> dict[str, object]:
     """Every ``torch.nn.init`` function bound in the modules transformers' guard patches."""
     found = {}
@@ -202,7 +212,6 @@ def race(
     barrier, with a bystander thread building ``nn.Linear`` throughout; what went wrong."""
     loads = {name: loader(name, paths[name]) for name, _ in pairs}
     references = {(n, d): loads[n](d) for n, d in pairs}
-    originals = init_functions()
     default = torch.get_default_dtype()
     wrong_dtype = wrong_values = errors = 0
     seen: dict[str, int] = {}
@@ -226,7 +235,7 @@ def race(
             wrong_values += round_values
     finally:
         sys.setswitchinterval(0.005)
-    changed = [k for k, v in init_functions().items() if originals.get(k) is not v]
+    changed = not_torchs()
     return {
         "rounds": rounds,
         "wrong_dtype_rounds": wrong_dtype,

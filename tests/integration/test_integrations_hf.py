@@ -488,6 +488,8 @@ def test_diffusers_shim_rebinds_no_init_weights_and_undoes_exactly_what_it_did()
         metamode.enable_for_accelerate()
         metamode.enable_for_diffusers()
         assert metamode.disable_for_diffusers() == (
+            "diffusers.models.modeling_utils.ModelMixin._set_default_torch_dtype",
+            "diffusers.models.modeling_utils.ModelMixin.from_pretrained",
             "diffusers.models.modeling_utils.no_init_weights",
         )
         assert accelerate.init_empty_weights is _accelerate.init_empty_weights
