@@ -88,8 +88,7 @@ def enable() -> EnableResult:
     """Enable metamode's shim for every supported library that is installed.
 
     PEFT, accelerate, diffusers and transformers, each as its own
-    ``enable_for_*`` function would (see those for what each covers -- for
-    transformers that is much less than for the others). Imports those
+    ``enable_for_*`` function would (see those for what each covers). Imports those
     libraries. All or nothing: if one shim refuses (an incompatible version),
     the ones this call enabled are disabled again before the error
     propagates. Idempotent.

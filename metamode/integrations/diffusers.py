@@ -1,7 +1,7 @@
 """Shim for diffusers: ``ModelMixin.from_pretrained``'s ``no_init_weights`` made thread-scoped
-(exact skip, :mod:`metamode.integrations._exact_skip`), plus the accelerate shim for its
-``low_cpu_mem_usage`` path. What stock does: docs/design.md, "Shims"; ``torch_dtype=``
-stays global: docs/limitations.md.
+(exact skip, :mod:`metamode.integrations._exact_skip`), its ``torch_dtype=`` held as a dtype
+window (:mod:`metamode._core.dtype_windows`), plus the accelerate shim for its
+``low_cpu_mem_usage`` path. What stock does: docs/design.md, "Shims" and "Dtype windows".
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Shim for transformers' model-building contexts, 4.x and 5.x.
 
 5.x: rebinds ``transformers.initialization.meta_device_safe_creation_ops`` and
-``no_tie_weights``, whichever exist. 4.x (no ``initialization`` module): rebinds
-``modeling_utils.no_init_weights`` and ``_init_weights`` and
-``integrations.accelerate.init_empty_weights``/``init_on_device``. What each stock context
-does and why these names: docs/design.md, "transformers versions"; what stays
-process-global: docs/limitations.md.
+``no_tie_weights``, whichever exist, and ``modeling_utils.local_torch_dtype`` and the
+device probe; sets ``PreTrainedModel.initialize_weights`` to run under a thread-scoped guard.
+4.x (no ``initialization`` module): rebinds ``modeling_utils.no_init_weights`` and
+``_init_weights`` and ``integrations.accelerate.init_empty_weights``/``init_on_device``; sets
+``PreTrainedModel``'s ``_set_default_dtype``, ``from_pretrained`` and ``_from_config`` to hold
+the dtype as a dtype window. What each stock context does and why these names:
+docs/design.md, "transformers versions" and "Dtype windows"; what stays process-global:
+docs/limitations.md.
 """
 
 from __future__ import annotations
@@ -293,7 +296,7 @@ def _guards_torch_init() -> bool:
     return "guard_torch_init_functions" in vars(initialization)
 
 
-def _without_restore(method: Any) -> FunctionType:
+def _without_restore(method: Any, name: str) -> FunctionType:
     """The function transformers 4.x's ``@restore_default_dtype`` wraps in ``method``
     (a classmethod); ``IncompatibleLibraryError`` if it does not."""
     restore = vars(sys.modules[_MODELING_UTILS]).get("restore_default_dtype")
@@ -305,8 +308,8 @@ def _without_restore(method: Any) -> FunctionType:
         and getattr(wrapper, "__code__", None) is getattr(restore(raw), "__code__", ())
     ):
         raise IncompatibleLibraryError(
-            f"transformers {_TRANSFORMERS._version()}: {getattr(raw, '__qualname__', method)} "
-            f"is not a classmethod over @restore_default_dtype, so metamode cannot hold its "
+            f"transformers {_TRANSFORMERS._version()}: PreTrainedModel.{name} is not a "
+            f"classmethod over @restore_default_dtype, so metamode cannot hold its "
             f"dtype as a window; nothing was changed. Please report this with the version."
         )
     return raw
@@ -344,8 +347,12 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
 
     return {
         "_set_default_dtype": classmethod(_set_default_dtype),
-        "from_pretrained": closing_windows(_without_restore(originals["from_pretrained"])),
-        "_from_config": closing_windows(_without_restore(originals["_from_config"])),
+        "from_pretrained": closing_windows(
+            _without_restore(originals["from_pretrained"], "from_pretrained")
+        ),
+        "_from_config": closing_windows(
+            _without_restore(originals["_from_config"], "_from_config")
+        ),
     }
 
 
@@ -451,21 +458,30 @@ def enable_for_transformers() -> tuple[str, ...]:
     transformers 5: rebinds ``transformers.initialization.meta_device_safe_creation_ops``
     and ``no_tie_weights``, where they exist, to contexts acting in the calling thread only
     (device-less ``torch.linspace`` calls go to cpu; ``PreTrainedModel.tie_weights`` does
-    not tie). Concurrent ``from_pretrained`` calls are still not safe: the default dtype and
-    ``torch.nn.init`` stay process-wide (docs/limitations.md). A 5.x with neither name is
-    left alone: returns ``()`` and says why in ``EnableResult.left_alone``.
+    not tie); ``modeling_utils.local_torch_dtype`` to a dtype window (loads in one dtype
+    share the process default, loads in another wait their turn); and sets the attribute
+    ``PreTrainedModel.initialize_weights`` to transformers' own function run under
+    ``torch.no_grad()`` and a thread-scoped guard that leaves loaded tensors as stock's
+    ``guard_torch_init_functions`` does, without reassigning ``torch.nn.init``. A 5.x with
+    neither context name is left alone: returns ``()`` and says why in
+    ``EnableResult.left_alone``.
 
     transformers 4.x: rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` and
     ``integrations.accelerate.init_empty_weights``/``init_on_device`` to thread-scoped
-    equivalents that build exactly the stock model; with the accelerate shim, concurrent
-    same-dtype ``from_pretrained`` calls are safe.
+    equivalents that build exactly the stock model, and sets ``PreTrainedModel``'s
+    ``_set_default_dtype``, ``from_pretrained`` and ``_from_config`` to hold the dtype as a
+    dtype window.
+
+    Either way, with the accelerate shim, concurrent ``from_pretrained`` calls in any mix
+    of dtypes each build the model a lone load builds (docs/design.md, "Dtype windows").
 
     Atomic, under a lock; idempotent. Returns the rebound ``module.name`` bindings.
 
     Raises:
         ImportError: transformers is not installed.
         metamode.IncompatibleLibraryError: this transformers lacks the names
-            for either major version; nothing was changed.
+            for either major version, or its ``initialize_weights`` or
+            ``from_pretrained`` is not decorated as the shim expects; nothing was changed.
     """
     with _LOCK:
         SHARED.pop(_LEFT_ALONE, None)

@@ -281,10 +281,15 @@ def throughput(
 ) -> dict[str, float]:  # fmt: skip
     """Two threads each making ``loads`` loads (thread i in ``dtypes[i]``): wall seconds,
     how long the two threads' loads ran at the same time (a load under the lock counts from
-    when it holds the lock), and how long their dtype windows were open at the same time."""
+    when it holds the lock), and how long their dtype windows were open at the same time;
+    and the wall seconds of the same loads made one after another in one thread."""
     load = loader(name, paths[name])
     lock = threading.Lock() if locked else contextlib.nullcontext()
     load(dtypes[0])  # warm up
+    start = time.perf_counter()
+    for index in range(2 * loads):
+        load(dtypes[index % 2])
+    one_thread = time.perf_counter() - start
     spans: list[list[tuple[float, float]]] = [[], []]
     windows: dict[int, list[tuple[float, float]]] = {}
     if "metamode" in sys.modules:
@@ -309,6 +314,7 @@ def throughput(
     window_spans = list(windows.values())
     return {
         "wall_s": wall,
+        "one_thread_s": one_thread,
         "overlap_s": _overlap(*spans),
         "window_overlap_s": _overlap(*window_spans) if len(window_spans) == 2 else 0.0,
     }
@@ -392,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--model", model, "--loads", str(args.loads)]
                     )  # fmt: skip
                     print(
-                        f"{model} {pairs} {setting}: {result['wall_s']:.2f} s wall, "
+                        f"{model} {pairs} {setting}: {result['wall_s']:.2f} s wall "
+                        f"(one thread: {result['one_thread_s']:.2f} s), "
                         f"loads running together {result['overlap_s']:.2f} s, "
                         f"dtype windows open together {result['window_overlap_s']:.2f} s"
                     )

@@ -282,6 +282,7 @@ def save_guard_probe(directory: str) -> type:
     return probe
 
 
+@pytest.mark.per_interpreter
 @pytest.mark.requires_transformers_5
 def test_the_guard_skips_loaded_tensors_exactly_as_stock(tmp_path):
     probe = save_guard_probe(str(tmp_path))
@@ -344,6 +345,7 @@ def overlapping_loads(directory: str, where: str) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.per_interpreter
 @pytest.mark.requires_transformers_5
 def test_overlapping_same_dtype_loads_reassign_no_torch_function(tmp_path, all_shims):
     save_guard_probe(str(tmp_path))
@@ -427,3 +429,25 @@ def test_enable_routes_every_dtype_binding_and_disable_restores_each():
         _registry.disable()
     after = _bindings()
     assert [k for k in before if after[k] is not before[k]] == []
+
+
+def _refused_with_nothing_changed(monkeypatch, name: str) -> None:
+    from transformers import modeling_utils
+
+    plain = classmethod(lambda cls, *args, **kwargs: None)
+    monkeypatch.setattr(modeling_utils.PreTrainedModel, name, plain)
+    before = _bindings()
+    with pytest.raises(metamode.IncompatibleLibraryError, match=name):
+        metamode.enable_for_transformers()
+    assert not metamode.is_enabled("transformers")
+    assert _bindings() == before
+
+
+@pytest.mark.requires_transformers_5
+def test_an_initialize_weights_without_the_guard_decorator_is_refused(monkeypatch):
+    _refused_with_nothing_changed(monkeypatch, "initialize_weights")
+
+
+@pytest.mark.requires_transformers_4
+def test_a_from_pretrained_without_restore_default_dtype_is_refused(monkeypatch):
+    _refused_with_nothing_changed(monkeypatch, "from_pretrained")
