@@ -35,6 +35,8 @@ __all__ = [
     "fact_of",
     "meta_branch",
     "meta_shortcut",
+    "is_device_probe",
+    "register_device_probe",
     "register_meta_branch",
     "register_stand_in",
     "stand_in_rule",
@@ -457,3 +459,31 @@ def meta_branch(code: CodeType) -> str | None:
             _KNOWN_BRANCHES.update(dict.fromkeys(codes(), why))
         _KNOWN_FOR[0] = len(sys.modules)
     return _KNOWN_BRANCHES.get(code)
+
+
+# -- libraries' device probes -------------------------------------------------------------
+
+# Library functions that make a tensor without ``device=`` only to learn the device a model
+# is being built on (transformers' ``get_torch_context_manager_or_global_device``, which
+# skips the weight initialisation when it sees meta). Registered by metamode.integrations.
+_DEVICE_PROBES: list[Callable[[], list[CodeType]]] = []
+_PROBE_CODES: set[CodeType] = set()
+_PROBES_FOR = [-1]  # the size of sys.modules when _PROBE_CODES was gathered
+
+
+def register_device_probe(codes: Callable[[], list[CodeType]]) -> None:
+    """Say that the functions whose code ``codes()`` returns probe the default device
+    with a factory call, and build otherwise when it answers meta."""
+    if all(registered is not codes for registered in _DEVICE_PROBES):
+        _DEVICE_PROBES.append(codes)
+        _PROBES_FOR[0] = -1
+
+
+def is_device_probe(code: CodeType) -> bool:
+    """True if ``code`` is a registered device probe's."""
+    if _PROBES_FOR[0] != len(sys.modules):  # a library was imported since: ask again
+        _PROBE_CODES.clear()
+        for codes in _DEVICE_PROBES:
+            _PROBE_CODES.update(codes())
+        _PROBES_FOR[0] = len(sys.modules)
+    return code in _PROBE_CODES

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from metamode._core import stack as _stack
+from metamode._core.facts import is_device_probe
 from metamode._core.params import moved_parameter, moved_tensor
 from metamode._core.recording import Recorder
 from metamode._core.skip_rule import skipped_target
@@ -322,15 +324,26 @@ class EmptyWeights(ThreadScopedMode):
         return self.placed_call(func, args, kwargs)[0]
 
     def _redirected(self, func, args, kwargs):
-        if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
+        if self._sends_to_device(func, kwargs):
             kwargs = {**kwargs, "device": self.device}
         return func(*args, **kwargs)
+
+    def _sends_to_device(self, func, kwargs) -> bool:
+        """A factory call without ``device=`` goes to ``device``; in a recorded build, not
+        when a library's device probe makes it (it then builds as eager construction does,
+        so the recording can be replayed)."""
+        return (
+            self.include_buffers
+            and kwargs.get("device") is None
+            and func in device_constructors()
+            and (self._recorder is None or not is_device_probe(_caller_outside_metamode()))
+        )
 
     def placed_call(self, func, args, kwargs) -> tuple[Any, bool]:
         """Run ``func`` as this context does; True when it skipped the call instead."""
         if self._suspended:
             return func(*args, **kwargs), False
-        if self.include_buffers and kwargs.get("device") is None and func in device_constructors():
+        if self._sends_to_device(func, kwargs):
             return func(*args, **{**kwargs, "device": self.device}), False
         if self._skip_init:
             target = skipped_target(func, args, kwargs)
@@ -465,6 +478,14 @@ class KeepRegistered(ThreadScopedMode):
 
 
 _SCOPES = (EmptyWeights, SkipEmptyWeights)
+
+
+def _caller_outside_metamode() -> Any:
+    """The code of the innermost frame that is not metamode's own (the torch call's caller)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("metamode."):
+        frame = frame.f_back
+    return frame.f_code
 
 
 def active_empty_weights() -> EmptyWeights | None:

@@ -29,7 +29,11 @@ from metamode._contexts.empty_weights import init_on_device as _init_on_device
 from metamode._contexts.empty_weights import skip_empty_weights
 from metamode._core import dtype_windows
 from metamode._core import stack as _stack
-from metamode._core.facts import register_meta_branch, register_stand_in
+from metamode._core.facts import (
+    register_device_probe,
+    register_meta_branch,
+    register_stand_in,
+)
 from metamode._core.modes import (
     EmptyWeights,
     KeepRegistered,
@@ -549,11 +553,12 @@ def _device_probe() -> list[CodeType]:
     return [code] if code is not None else []
 
 
+register_device_probe(_device_probe)
 register_meta_branch(
     _device_probe,
     "transformers skipped its weight initialisation because it saw the meta device, which "
-    "eager construction does not; build with include_buffers=False, or call "
-    "metamode.enable_for_transformers() first",
+    "eager construction does not; build in empty_weights(replayable=True), where its device "
+    "probe sees what eager construction sees",
 )
 
 

@@ -244,6 +244,14 @@ def test_transformers_models_equal_eager(name, include_buffers):
         assert_eager_equal(TRANSFORMERS[name], include_buffers)
 
 
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS))
+def test_transformers_models_with_buffers_equal_eager_without_the_shim(name):
+    """transformers' device probe sees, inside a replayable context, what eager construction
+    sees: its weight initialisation runs and is replayed, with no library name rebound."""
+    assert not metamode.is_enabled("transformers")
+    assert_eager_equal(TRANSFORMERS[name], include_buffers=True)
+
+
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("name", sorted(DIFFUSERS))
 def test_diffusers_models_equal_eager(name, include_buffers):
