@@ -119,17 +119,20 @@ def doctor(repair: bool = False) -> DoctorReport:
 
     Checks that ``torch.nn.Module``'s methods, ``torch.nn.init``'s functions and torch's
     factories (``torch.empty``, ``zeros``, ``full``, ``linspace``...) are torch's own, also
-    where a torch module bound them by name; that the default dtype is ``float32`` and no
-    default device is set; that PEFT's ``_init_on_device._skip`` is not left set; that no
-    torch-function mode is left on the calling thread's stack; and that metamode's
-    registration hooks are installed. Originals are recognised by where they are defined,
+    where a torch module bound them by name; that the default dtype is ``float32`` (or the
+    dtype of a load's open dtype window), naming the loading paths that most likely left
+    it; that no default device is set; that PEFT's ``_init_on_device._skip`` is not left
+    set; that no torch-function mode is left on the calling thread's stack; and that
+    metamode's registration hooks are installed. ``notes`` lists global changes that are
+    not findings: open dtype windows, and transformers' ``nn.Module.smart_apply``. Originals are recognised by where they are defined,
     so this holds even if metamode was imported after the damage. The intended changes in
     :mod:`metamode._diagnostics.known_changes` are not findings, and repair keeps them.
 
     Args:
         repair: restore torch's originals (functions, default dtype/device),
             clear PEFT's stale flag and pop modes left on the calling thread's
-            stack, then check again. The only place metamode assigns torch
+            stack, then check again. The default dtype is not repaired while a load's
+            dtype window is open (the finding says so). The only place metamode assigns torch
             attributes, and only to put torch's own objects back.
 
     Returns a :class:`DoctorReport`; ``print`` it to read it. Per-thread
