@@ -124,8 +124,9 @@ def doctor(repair: bool = False) -> DoctorReport:
     it; that no default device is set; that PEFT's ``_init_on_device._skip`` is not left
     set; that no torch-function mode is left on the calling thread's stack; and that
     metamode's registration hooks are installed. ``notes`` lists global changes that are
-    not findings: open dtype windows, and transformers' ``nn.Module.smart_apply``. Originals are recognised by where they are defined,
-    so this holds even if metamode was imported after the damage. The intended changes in
+    not findings: open dtype windows, and transformers' ``nn.Module.smart_apply``. Originals
+    are recognised by where they are defined, so this holds even if metamode was imported
+    after the damage. The intended changes in
     :mod:`metamode._diagnostics.known_changes` are not findings, and repair keeps them.
 
     Args:
