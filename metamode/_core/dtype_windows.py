@@ -15,6 +15,7 @@ thread outside every window sees meanwhile: docs/design.md, "Dtype windows".
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -155,6 +156,26 @@ def close_windows_opened_since(depth: int) -> None:
 
 
 _calls = threading.local()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: the other threads' windows are gone, and
+    the default is what the first window found."""
+    global _condition, _baseline
+    _condition = threading.Condition(threading.Lock())
+    mine = threading.get_ident()
+    for table in (_stacks, _running):
+        for thread in [t for t in table if t != mine]:
+            del table[thread]
+    _queue.clear()
+    if _stacks:
+        torch.set_default_dtype(_running[mine])
+    elif _baseline is not None:
+        torch.set_default_dtype(_baseline)
+        _baseline = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

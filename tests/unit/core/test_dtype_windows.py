@@ -215,3 +215,33 @@ def test_a_process_default_other_than_float32_is_the_baseline_put_back():
         assert torch.get_default_dtype() == torch.float64
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_child_forked_while_another_threads_window_is_open_starts_without_it():
+    import multiprocessing
+
+    a_open, a_release = threading.Event(), threading.Event()
+
+    def a() -> None:
+        with dtype_window(torch.float16):
+            a_open.set()
+            wait(a_release, "the test")
+
+    thread = _Thread(a)
+    thread.start()
+    wait(a_open, "A")
+    try:
+        context = multiprocessing.get_context("fork")
+        with context.Pool(1) as pool:
+            seen = pool.apply_async(_in_a_forked_child).get(timeout=WAIT_S)
+    finally:
+        a_release.set()
+        thread.finish()
+    assert seen == ("torch.float32", "torch.bfloat16", "torch.float32", {})
+
+
+def _in_a_forked_child() -> tuple:
+    before = str(torch.get_default_dtype())
+    with dtype_window(torch.bfloat16):  # would park forever behind the parent's thread A
+        inside = str(torch.get_default_dtype())
+    return before, inside, str(torch.get_default_dtype()), dtype_windows.state().stacks
