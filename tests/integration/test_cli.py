@@ -31,7 +31,7 @@ def _metamode(*args: str, cwd: Path | None = None, timeout: float = 300):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["bench"], ["bench-record"]])
 def test_help_is_plain_text(command):
     done = _metamode(*command, "--help")
     assert done.returncode == 0, done.stderr
