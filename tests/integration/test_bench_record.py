@@ -14,6 +14,7 @@ import pytest
 
 from metamode.lab import bench_record
 
+CALLGRIND_PROBLEMS = bench_record.callgrind_problems()
 ROW = re.compile(
     r"^(?P<model>\S+)\s+(?P<mode>params-only|include_buffers=True)\s+"
     r"(?P<plain>[\d,.]+)\s+(?P<replayable>[\d,.]+)\s+(?P<ratio>\d+\.\d{3})x$"
@@ -98,8 +99,8 @@ def test_without_valgrind_callgrind_mode_refuses_and_auto_says_it_fell_back(tmp_
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    bool(bench_record.callgrind_problems()),
-    reason=f"callgrind mode cannot run here: {'; '.join(bench_record.callgrind_problems())}",
+    bool(CALLGRIND_PROBLEMS),
+    reason=f"callgrind mode cannot run here: {'; '.join(CALLGRIND_PROBLEMS)}",
 )
 def test_callgrind_mode_counts_the_build_and_keeps_its_dumps(tmp_path):
     keep = tmp_path / "dumps"
