@@ -10,6 +10,10 @@ import sys
 _COMMANDS = {
     "demo": ("metamode.lab.demo", "show PEFT's concurrency bug and metamode's fix on tiny models"),
     "bench": ("metamode.lab.bench", "benchmark empty-model construction against the stock paths"),
+    "bench-record": (
+        "metamode.lab.bench_record",
+        "count the instructions (callgrind) of a replayable build against a plain one",
+    ),
     "bench-materialize": (
         "metamode.lab.bench_materialize",
         "time replayable builds and materialize against eager construction",

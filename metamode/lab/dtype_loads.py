@@ -356,7 +356,13 @@ _RACES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m metamode dtype-loads", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m metamode dtype-loads",
+        description="Concurrent from_pretrained loads with a dtype: rounds of loader threads "
+        "released together, each model compared with a lone load (stock, and after "
+        "metamode.enable()); with --throughput, the time of mixed and same-dtype loads "
+        "(stock, metamode, and a lock around every load).",
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--settings", default="stock,metamode")
     parser.add_argument("--throughput", action="store_true", help="time loads instead")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -31,7 +32,9 @@ def _metamode(*args: str, cwd: Path | None = None, timeout: float = 300):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["doctor"], ["bench"]])
+@pytest.mark.parametrize(
+    "command", [[], ["demo"], ["doctor"], ["bench"], ["bench-record"], ["dtype-loads"]]
+)
 def test_help_is_plain_text(command):
     done = _metamode(*command, "--help")
     assert done.returncode == 0, done.stderr
@@ -129,3 +132,14 @@ def test_doctor_import_through_the_cli(tmp_path):
     assert dirty.returncode == 1, dirty.stdout + dirty.stderr
     assert "torch.nn.Module.register_parameter: is not torch's own" in dirty.stdout
     assert "left by: patches_on_import.register_parameter" in dirty.stdout
+
+
+def test_dtype_loads_prints_a_line_per_race_with_no_wrong_round():
+    done = _metamode("dtype-loads", "--rounds", "1", "--settings", "metamode", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if ", metamode: {" in line]
+    assert len(lines) == 4, done.stdout
+    for line in lines:
+        result = json.loads(line.split(": ", 1)[1])
+        assert (result["wrong_rounds"], result["errors"]) == (0, 0), line
+        assert result["default_dtype_after"] == "torch.float32"

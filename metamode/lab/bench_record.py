@@ -1,0 +1,404 @@
+"""``python -m metamode bench-record``: what a replayable build costs against a plain one.
+
+Each cell of the table is one model built in two fresh processes, one under
+``empty_weights(include_buffers=..., replayable=False)`` and one under the same
+context with ``replayable=True``; the ratio is replayable / plain.
+
+* ``--mode callgrind`` counts instructions. The process re-executes itself under
+  ``valgrind --tool=callgrind --instr-atstart=no``, so nothing is counted until the
+  measured build: a tiny C shim over ``valgrind/callgrind.h`` (compiled with the
+  system ``cc`` on first use into a cache directory, loaded with ctypes) switches
+  instrumentation on and zeroes the counters right before the ``with`` block, and
+  switches it off and dumps them right after. The cell is that dump's total ``Ir``:
+  deterministic to a fraction of a percent, and free of machine load.
+* ``--mode wall`` times the same block with ``time.perf_counter`` (best of
+  ``--reps`` fresh processes, plain and replayable interleaved). It is what the
+  command runs when valgrind, ``cc`` or ``callgrind.h`` is missing, and it says so
+  above its table.
+
+Every process first builds the tiny shape of the model plain, replayable (and
+materializes it) and under the cell's own context, so lazy imports and first-use
+costs stay outside the measured block; it measures with one intra-op thread and
+``PYTHONHASHSEED=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "measure", "parse_callgrind_total"]
+
+# The C shim: each function is one client request sequence, a no-op outside valgrind.
+SHIM_SOURCE = """\
+#include <valgrind/callgrind.h>
+
+int metamode_on_valgrind(void) { return RUNNING_ON_VALGRIND; }
+
+void metamode_callgrind_start(void) {
+    CALLGRIND_START_INSTRUMENTATION;
+    CALLGRIND_ZERO_STATS;
+}
+
+void metamode_callgrind_stop(void) {
+    CALLGRIND_STOP_INSTRUMENTATION;
+    CALLGRIND_DUMP_STATS;
+}
+"""
+_INSTALL_HINT = (
+    "install valgrind (Debian/Ubuntu: `apt-get install valgrind`, which also provides "
+    "valgrind/callgrind.h) and a C compiler (`apt-get install gcc`), or run with --mode wall"
+)
+_MODES = {False: "params-only", True: "include_buffers=True"}
+_RESULT = "bench-record result: "
+
+
+class CallgrindUnavailable(RuntimeError):
+    """valgrind, a C compiler or ``valgrind/callgrind.h`` is missing; the message says which."""
+
+
+# -- the shim -------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "metamode"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("cc")
+
+
+def callgrind_problems() -> list[str]:
+    """What stops ``--mode callgrind`` on this machine (empty when it can run)."""
+    valgrind = [] if shutil.which("valgrind") else ["`valgrind` is not on PATH"]
+    return valgrind + _shim_problems()
+
+
+def _shim_problems() -> list[str]:
+    problems = []
+    compiler = _compiler()
+    if compiler is None:
+        problems.append("no C compiler (`cc`) on PATH")
+    else:
+        probe = subprocess.run(
+            [compiler, "-E", "-x", "c", "-", "-o", os.devnull],
+            input="#include <valgrind/callgrind.h>\n",
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode:
+            problems.append(f"`{compiler}` cannot find valgrind/callgrind.h")
+    return problems
+
+
+def shim_path() -> Path:
+    """The compiled shim, built into the cache directory on first use.
+
+    Raises :class:`CallgrindUnavailable` naming what is missing and how to install it.
+    """
+    problems = _shim_problems()
+    if problems:
+        raise CallgrindUnavailable(f"{'; '.join(problems)}: {_INSTALL_HINT}")
+    digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"callgrind-shim-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        source = Path(scratch) / "shim.c"
+        source.write_text(SHIM_SOURCE)
+        built = Path(scratch) / target.name
+        done = subprocess.run(
+            [str(_compiler()), "-shared", "-fPIC", "-O1", "-o", str(built), str(source)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            raise CallgrindUnavailable(f"compiling the callgrind shim failed:\n{done.stderr}")
+        os.replace(built, target)  # atomic: concurrent first uses each install a whole file
+    return target
+
+
+class _Callgrind:
+    """The shim, loaded with ctypes."""
+
+    def __init__(self, path: str) -> None:
+        import ctypes
+
+        self._lib = ctypes.CDLL(path)
+        self._start = self._lib.metamode_callgrind_start
+        self._stop = self._lib.metamode_callgrind_stop
+
+    def on_valgrind(self) -> bool:
+        return bool(self._lib.metamode_on_valgrind())
+
+    def start(self) -> None:
+        self._start()
+
+    def stop(self) -> None:
+        self._stop()
+
+
+def parse_callgrind_total(text: str) -> int:
+    """The total ``Ir`` of one callgrind output file (its ``totals:`` or ``summary:`` line)."""
+    events = re.search(r"^events:\s*(.+)$", text, re.M)
+    names = events.group(1).split() if events else ["Ir"]
+    if "Ir" not in names:
+        raise ValueError(f"callgrind output has no Ir event (events: {' '.join(names)})")
+    for key in ("totals", "summary"):
+        line = re.search(rf"^{key}:\s*(.+)$", text, re.M)
+        if line:
+            return int(line.group(1).split()[names.index("Ir")])
+    raise ValueError("callgrind output has neither a totals: nor a summary: line")
+
+
+# -- one measurement, in this process -------------------------------------------------
+
+
+def measure(
+    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str | None
+) -> dict[str, Any]:
+    """Build ``model`` once under the cell's context and report what was measured.
+
+    With ``shim`` (the compiled shim's path), callgrind's instrumentation is on only
+    around the ``with`` block; the caller reads the instruction count from the dump.
+    """
+    import gc
+
+    import torch
+
+    import metamode
+    from metamode.lab import workloads
+
+    callgrind = _Callgrind(shim) if shim else None
+    torch.set_num_threads(1)
+    workloads.build(model, tiny=True)  # warm-up: lazy imports, first kernels
+    with metamode.empty_weights(replayable=True):  # metamode's first use imports its
+        warm = workloads.build(model, tiny=True)  # integrations
+    metamode.materialize(warm)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=replayable):
+        workloads.build(model, tiny=True)
+    del warm
+    gc.collect()
+    torch.manual_seed(0)
+    if callgrind:
+        callgrind.start()
+    start = time.perf_counter()
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=replayable):
+        built = workloads.build(model, tiny=tiny)
+    seconds = time.perf_counter() - start
+    if callgrind:
+        callgrind.stop()
+    tensors = [*built.parameters(), *built.buffers()]
+    return {
+        "seconds": seconds,
+        "tensors": len(tensors),
+        "on_meta": sum(t.is_meta for t in tensors),
+        "on_valgrind": callgrind.on_valgrind() if callgrind else False,
+    }
+
+
+def _child_command(
+    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str | None
+) -> list[str]:
+    call = f"b.measure({model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r})"
+    code = f"import json, metamode.lab.bench_record as b; print({_RESULT!r} + json.dumps({call}))"
+    return [sys.executable, "-c", code]
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _result(done: subprocess.CompletedProcess[str], what: str) -> dict[str, Any]:
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(_RESULT) :])
+    return result
+
+
+@dataclass
+class Cell:
+    model: str
+    include_buffers: bool
+    plain: float
+    replayable: float
+
+    @property
+    def ratio(self) -> float:
+        return self.replayable / max(self.plain, 1e-12)
+
+
+def _callgrind_run(
+    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str, keep: Path | None
+) -> int:
+    what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
+    with tempfile.TemporaryDirectory(prefix="metamode-callgrind-") as scratch:
+        out = Path(scratch) / "callgrind.out"
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={out}.%p",
+            *_child_command(model, include_buffers, replayable, tiny, shim),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
+        result = _result(done, f"{what} under callgrind")
+        if not result["on_valgrind"]:
+            raise RuntimeError(f"{what}: the child did not run under valgrind")
+        dumps = sorted(Path(scratch).glob("callgrind.out.*.*"))  # <pid>.<dump number>
+        if len(dumps) != 1:
+            raise RuntimeError(f"{what}: expected one callgrind dump, found {len(dumps)}")
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            name = f"callgrind.{model}.{'buffers' if include_buffers else 'params'}"
+            shutil.copy(dumps[0], keep / f"{name}.{'replayable' if replayable else 'plain'}")
+        return parse_callgrind_total(dumps[0].read_text())
+
+
+def _wall_run(model: str, include_buffers: bool, replayable: bool, tiny: bool) -> float:
+    what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
+    command = _child_command(model, include_buffers, replayable, tiny, None)
+    done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
+    return float(_result(done, what)["seconds"])
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    from metamode.lab.workloads import MODELS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m metamode bench-record",
+        description=(
+            "Instructions (callgrind) or wall time of a replayable build, "
+            "empty_weights(replayable=True), against a plain empty_weights() build "
+            "of the same model, each in a fresh process."
+        ),
+    )
+    parser.add_argument(
+        "--model",
+        default="llama-small",
+        choices=sorted(MODELS),
+        help="the workload (default llama-small; llama-7b is the Llama-2-7B skeleton)",
+    )
+    parser.add_argument(
+        "--include-buffers",
+        choices=("false", "true", "both"),
+        default="both",
+        help="params-only (false), include_buffers=True (true) or both rows (default)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("auto", "callgrind", "wall"),
+        default="auto",
+        help="callgrind: instructions; wall: seconds, best of --reps; "
+        "auto (default): callgrind where valgrind and cc are installed, else wall",
+    )
+    parser.add_argument("--reps", type=int, default=5, help="wall mode: runs per cell, best kept")
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test)")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="callgrind mode: copy each cell's callgrind dump into DIR (for callgrind_annotate)",
+    )
+    return parser
+
+
+def render(cells: Sequence[Cell], mode: str) -> str:
+    """The table: model, mode, plain, replayable, ratio."""
+    if mode == "callgrind":
+        heads = ("plain Ir", "replayable Ir")
+
+        def fmt(value: float) -> str:
+            return f"{int(value):,}"
+    else:
+        heads = ("plain ms", "replayable ms")
+
+        def fmt(value: float) -> str:
+            return f"{value * 1e3:.2f}"
+
+    rows = [
+        (c.model, _MODES[c.include_buffers], fmt(c.plain), fmt(c.replayable), f"{c.ratio:.3f}x")
+        for c in cells
+    ]
+    header = ("model", "mode", *heads, "ratio")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        left = [row[i].ljust(widths[i]) for i in range(2)]
+        right = [row[i].rjust(widths[i]) for i in range(2, len(header))]
+        lines.append("  ".join(left + right).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"argument --reps: must be at least 1, got {args.reps}")
+    modes = {"false": [False], "true": [True], "both": [False, True]}[args.include_buffers]
+    mode = args.mode
+    fallback = None
+    if mode in ("auto", "callgrind"):
+        problems = callgrind_problems()
+        if problems and mode == "callgrind":
+            parser.exit(
+                2,
+                f"{parser.prog}: error: --mode callgrind: {'; '.join(problems)}: {_INSTALL_HINT}\n",
+            )
+        if problems:
+            fallback = "; ".join(problems)
+            mode = "wall"
+        else:
+            mode = "callgrind"
+    shape = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    cells = []
+    if mode == "callgrind":
+        try:
+            shim = str(shim_path())
+        except CallgrindUnavailable as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        print(
+            f"{shape}: instructions executed by the build (callgrind Ir, instrumentation "
+            "on around the `with` block only; one fresh process per number)"
+        )
+        for include_buffers in modes:
+            plain, replayable = (
+                _callgrind_run(args.model, include_buffers, r, args.tiny, shim, args.keep)
+                for r in (False, True)
+            )
+            cells.append(Cell(args.model, include_buffers, plain, replayable))
+    else:
+        if fallback:
+            print(f"callgrind unavailable ({fallback}): WALL TIME, not instructions")
+        print(
+            f"{shape}: wall time of the build (seconds, not instructions; best of "
+            f"{args.reps} fresh processes, plain and replayable interleaved)"
+        )
+        for include_buffers in modes:
+            runs: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.reps):
+                for replayable in (False, True):
+                    runs[replayable].append(
+                        _wall_run(args.model, include_buffers, replayable, args.tiny)
+                    )
+            cells.append(Cell(args.model, include_buffers, min(runs[False]), min(runs[True])))
+    print(render(cells, mode))
+    return 0

@@ -1,0 +1,116 @@
+"""``python -m metamode bench-record``: its table, its fallback, its callgrind mode.
+
+No instruction count or time is asserted beyond being positive and consistent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from metamode.lab import bench_record
+
+CALLGRIND_PROBLEMS = bench_record.callgrind_problems()
+ROW = re.compile(
+    r"^(?P<model>\S+)\s+(?P<mode>params-only|include_buffers=True)\s+"
+    r"(?P<plain>[\d,.]+)\s+(?P<replayable>[\d,.]+)\s+(?P<ratio>\d+\.\d{3})x$"
+)
+
+
+def _bench_record(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "metamode", "bench-record", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _rows(stdout: str) -> list[dict[str, str]]:
+    return [m.groupdict() for line in stdout.splitlines() if (m := ROW.match(line))]
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _check_rows(stdout: str, model: str, modes: list[str]) -> list[dict[str, str]]:
+    rows = _rows(stdout)
+    assert [(r["model"], r["mode"]) for r in rows] == [(model, mode) for mode in modes], stdout
+    for row in rows:
+        plain, replayable = _number(row["plain"]), _number(row["replayable"])
+        assert plain > 0 and replayable > 0, row
+        # the ratio is of the unrounded numbers: bound it by the printed ones' rounding
+        half = 0.5 if "," in row["plain"] + row["replayable"] or "." not in row["plain"] else 0.005
+        low, high = (replayable - half) / (plain + half), (replayable + half) / (plain - half)
+        assert low - 5e-4 <= float(row["ratio"]) <= high + 5e-4, row
+    return rows
+
+
+def test_the_total_is_read_from_totals_not_from_the_header_summary():
+    dump = "\n".join(
+        [
+            "# callgrind format",
+            "events: Ir",
+            "summary: 0",
+            "fn=(1) f",
+            "0 7",
+            "totals: 1234",
+        ]
+    )
+    assert bench_record.parse_callgrind_total(dump) == 1234
+    two_events = "events: Ir Dr\nsummary: 50 9\n"
+    assert bench_record.parse_callgrind_total(two_events) == 50
+    with pytest.raises(ValueError, match="no Ir event"):
+        bench_record.parse_callgrind_total("events: Dr\ntotals: 3\n")
+
+
+def test_wall_mode_prints_a_row_per_mode_with_its_ratio():
+    done = _bench_record("--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("torch-small (tiny): wall time of the build (seconds, not instr")
+    assert lines[1].split() == ["model", "mode", "plain", "ms", "replayable", "ms", "ratio"]
+    _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+
+
+def test_without_valgrind_callgrind_mode_refuses_and_auto_says_it_fell_back(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # neither valgrind nor cc
+    refused = _bench_record("--mode", "callgrind", "--model", "torch-small", env=env)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "--mode callgrind: `valgrind` is not on PATH" in refused.stderr
+    assert "apt-get install valgrind" in refused.stderr and "Traceback" not in refused.stderr
+
+    auto = _bench_record(
+        "--model", "torch-small", "--tiny", "--reps", "1", "--include-buffers", "false", env=env
+    )
+    assert auto.returncode == 0, auto.stdout[-3000:] + auto.stderr[-3000:]
+    assert auto.stdout.splitlines()[0] == (
+        "callgrind unavailable (`valgrind` is not on PATH; no C compiler (`cc`) on PATH): "
+        "WALL TIME, not instructions"
+    )
+    _check_rows(auto.stdout, "torch-small", ["params-only"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    bool(CALLGRIND_PROBLEMS),
+    reason=f"callgrind mode cannot run here: {'; '.join(CALLGRIND_PROBLEMS)}",
+)
+def test_callgrind_mode_counts_the_build_and_keeps_its_dumps(tmp_path):
+    keep = tmp_path / "dumps"
+    done = _bench_record(
+        "--mode", "callgrind", "--model", "torch-small", "--tiny", "--keep", str(keep)
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("torch-small (tiny): instructions executed by the build")
+    rows = _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+    for row, kind in zip(rows, ("params", "buffers"), strict=True):
+        for side in ("plain", "replayable"):
+            dump = (keep / f"callgrind.torch-small.{kind}.{side}").read_text()
+            assert bench_record.parse_callgrind_total(dump) == int(row[side].replace(",", ""))
