@@ -494,12 +494,15 @@ def enable_for_transformers() -> tuple[str, ...]:
         rebindings = [
             r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(r._import_home()))
         ]
-        if not [r for r in rebindings if r is not _TRANSFORMERS_PROBE]:
-            # A 5.x release without either patch: nothing to route, not an error.
+        if not [r for r in rebindings if r is not _TRANSFORMERS_PROBE] and not (
+            _guards_torch_init()
+        ):
+            # A 5.x release with none of the patches: nothing to route, not an error.
             SHARED[_LEFT_ALONE] = (
-                f"transformers {_TRANSFORMERS._version()} has neither "
-                f"initialization.meta_device_safe_creation_ops (no torch.linspace patch) "
-                f"nor initialization.no_tie_weights, and no 4.x no_init_weights: "
+                f"transformers {_TRANSFORMERS._version()} has none of "
+                f"initialization.meta_device_safe_creation_ops (no torch.linspace patch), "
+                f"initialization.no_tie_weights, initialization.guard_torch_init_functions "
+                f"and modeling_utils.local_torch_dtype, and no 4.x no_init_weights: "
                 f"nothing for metamode to route"
             )
             return ()

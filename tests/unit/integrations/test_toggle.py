@@ -277,11 +277,14 @@ def test_is_enabled_and_scoped_enabled():
 def test_enable_reports_a_library_with_nothing_to_route_instead_of_failing(monkeypatch):
     """A version with nothing to route is not an error; enable() says why."""
     import transformers.initialization as initialization
+    import transformers.modeling_utils as modeling_utils
 
     from metamode.integrations import _registry
 
     monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
     monkeypatch.delattr(initialization, "no_tie_weights")
+    monkeypatch.delattr(initialization, "guard_torch_init_functions")
+    monkeypatch.delattr(modeling_utils, "local_torch_dtype")
     real_installed = _registry._installed
     monkeypatch.setattr(
         _registry, "_installed", lambda lib: lib != "accelerate" and real_installed(lib)

@@ -322,11 +322,14 @@ def test_only_the_names_this_release_has_are_rebound(monkeypatch, missing):
     assert restored == bound
 
 
-def test_a_release_without_either_name_is_left_alone(monkeypatch):
+def test_a_release_with_none_of_the_patches_is_left_alone(monkeypatch):
     import transformers.initialization as initialization
+    import transformers.modeling_utils as modeling_utils
 
     monkeypatch.delattr(initialization, "meta_device_safe_creation_ops")
     monkeypatch.delattr(initialization, "no_tie_weights")
+    monkeypatch.delattr(initialization, "guard_torch_init_functions")
+    monkeypatch.delattr(modeling_utils, "local_torch_dtype")
     with metamode.enabled():
         result = metamode.enable()
         assert result["transformers"] == ()
