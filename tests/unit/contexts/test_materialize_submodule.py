@@ -55,12 +55,7 @@ def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, inc
     torch.manual_seed(0)
     ref = build()
     torch.manual_seed(0)
-    # transformers skips its weight init when it sees the meta device: its shim shows it
-    # what eager construction sees
-    with (
-        metamode.enabled("transformers"),
-        metamode.empty_weights(include_buffers=include_buffers, replayable=True),
-    ):
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
         model = build()
     part = pick(model)
     inside = {id(t) for t in _tensors(part).values()}
@@ -79,13 +74,18 @@ def test_submodule_gets_its_eager_values_and_nothing_else_is_allocated(name, inc
         assert torch.equal(_tensors(model)[key], tensor), key
 
 
-def test_a_transformers_model_built_on_meta_without_its_shim_is_refused():
+def test_a_transformers_block_built_with_buffers_without_its_shim_is_eagers():
+    """transformers' device probe sees, inside the replayable context, what eager
+    construction sees, so its weight initialisation is recorded without the shim."""
+    torch.manual_seed(0)
+    ref = _llama()
     torch.manual_seed(0)
     with metamode.empty_weights(include_buffers=True, replayable=True):
         model = _llama()
-    with pytest.raises(metamode.NotMaterializableError, match="enable_for_transformers"):
-        metamode.materialize(model.model.layers[1])
-    assert all(t.is_meta for t in model.model.layers[1].parameters())
+    metamode.materialize(model.model.layers[1])
+    want = _tensors(ref.model.layers[1])
+    for key, tensor in _tensors(model.model.layers[1]).items():
+        assert torch.equal(tensor, want[key]), key
 
 
 def _steps(part: nn.Module) -> int:
