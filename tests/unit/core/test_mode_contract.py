@@ -34,7 +34,7 @@ from metamode._core.modes import EmptyWeights, KeepRegistered, SkipEmptyWeights,
 from metamode._core.stack import stack_depth
 from metamode._torch import pop_mode
 from metamode.integrations import peft as _peft_shim
-from metamode.integrations._exact_skip import SkipLibraryInit
+from metamode.integrations._exact_skip import GuardLoadedTensors, SkipLibraryInit
 from metamode.integrations.transformers import LinspaceOnCpu, NoInitWeights, NoTieWeights
 from metamode.lab.threads import WAIT_S
 
@@ -46,6 +46,7 @@ FACTORIES: dict[type[ThreadScopedMode], Callable[[], ThreadScopedMode]] = {
     DefaultDtype: lambda: metamode.default_dtype(torch.float64),
     LinspaceOnCpu: LinspaceOnCpu,
     SkipLibraryInit: lambda: SkipLibraryInit(frozenset({"normal_"})),
+    GuardLoadedTensors: lambda: GuardLoadedTensors(frozenset({"normal_"}), ("torch.nn.init",)),
     NoInitWeights: lambda: NoInitWeights(frozenset({"normal_"})),
     NoTieWeights: lambda: NoTieWeights(None),
     _peft_shim._ShimEmptyWeights: _peft_shim.init_empty_weights,
