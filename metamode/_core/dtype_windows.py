@@ -139,7 +139,7 @@ def close_window() -> None:
     thread = threading.get_ident()
     with _condition:
         stack = _stacks[thread]
-        closed = stack.pop()
+        stack.pop()
         if stack:
             # Not running at all when a wait for the outer window was interrupted: the
             # outer window stays open, and its own close_window closes it.

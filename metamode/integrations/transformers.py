@@ -567,9 +567,7 @@ def enable_for_transformers() -> tuple[str, ...]:
         rebindings = [
             r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(r._import_home()))
         ]
-        if not [
-            r for r in rebindings if r not in (_TRANSFORMERS_PROBE, _TRANSFORMERS_GET_DTYPE)
-        ]:
+        if not [r for r in rebindings if r not in (_TRANSFORMERS_PROBE, _TRANSFORMERS_GET_DTYPE)]:
             # A 5.x release without either patch: nothing to route, not an error.
             SHARED[_LEFT_ALONE] = (
                 f"transformers {_TRANSFORMERS._version()} has neither "
