@@ -1,9 +1,11 @@
 """Shim for transformers' model-building contexts, 4.x and 5.x.
 
 5.x: rebinds ``transformers.initialization.meta_device_safe_creation_ops`` and
-``no_tie_weights``, whichever exist. 4.x (no ``initialization`` module): rebinds
-``modeling_utils.no_init_weights`` and ``_init_weights`` and
-``integrations.accelerate.init_empty_weights``/``init_on_device``. What each stock context
+``no_tie_weights``, whichever exist, and holds the default dtype in dtype windows
+(``modeling_utils.local_torch_dtype`` and ``_get_dtype``, ``PreTrainedModel._from_config``).
+4.x (no ``initialization`` module): rebinds ``modeling_utils.no_init_weights`` and
+``_init_weights``, ``integrations.accelerate.init_empty_weights``/``init_on_device``, and
+``PreTrainedModel``'s dtype methods (dtype windows). What each stock context
 does and why these names: docs/design.md, "transformers versions"; what stays
 process-global: docs/limitations.md.
 """
