@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -797,3 +798,57 @@ def test_a_lone_load_given_no_dtype_is_stocks_bitwise_with_the_generator(saved, 
         shimmed = _as_module(loads[name]())
         same_generator = torch.equal(torch.get_rng_state(), stock_state)
     assert (dtype_loads.differences(shimmed, stock), same_generator) == ([], True)
+
+
+def test_barrier_rounds_of_loads_with_and_without_a_dtype_are_each_exact(saved):
+    """Bounded stress beside the forced scenarios: 5 rounds of four loads released by a
+    barrier, 1 µs switch interval: float16, none, a config without one, diffusers without
+    one."""
+    from diffusers import UNet2DModel
+    from transformers import AutoModelForCausalLM
+
+    def from_config() -> nn.Module:
+        torch.manual_seed(5)
+        return AutoModelForCausalLM.from_config(_llama_config())
+
+    loads: list[Callable[[], nn.Module]] = [
+        lambda: AutoModelForCausalLM.from_pretrained(saved["llama"], dtype=torch.float16),
+        lambda: AutoModelForCausalLM.from_pretrained(saved["llama"]),
+        from_config,
+        lambda: UNet2DModel.from_pretrained(saved["unet"]),
+    ]
+    alone = [load() for load in loads]
+    wrong: list[str] = []
+    with metamode.enabled():
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for _ in range(5):
+                barrier = threading.Barrier(len(loads))
+                models: dict[int, Any] = {}
+
+                def run(
+                    index: int, barrier: threading.Barrier = barrier, models: dict = models
+                ) -> None:
+                    barrier.wait()
+                    try:
+                        models[index] = loads[index]()
+                    except BaseException as error:
+                        models[index] = error
+
+                threads = [threading.Thread(target=run, args=(i,)) for i in range(len(loads))]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                for index, reference in enumerate(alone):
+                    got = _as_module(models[index])
+                    found = dtype_loads.differences(got, reference)
+                    if index == 2:  # random weights: the generator is shared by the threads
+                        found = [f for f in found if "values differ" not in f]
+                    wrong += found[:1]
+        finally:
+            sys.setswitchinterval(previous)
+    assert wrong == []
+    assert torch.get_default_dtype() == torch.float32
+    assert dtype_windows.state() == dtype_windows.WindowState(baseline=None)
