@@ -27,9 +27,11 @@ __all__ = [
     "close_window",
     "close_windows_opened_since",
     "closing_call",
+    "default_for_this_thread",
     "dtype_window",
     "inside_closing_call",
     "open_window",
+    "settable",
     "state",
     "wait_until",
     "windows_open_in_this_thread",
@@ -37,6 +39,11 @@ __all__ = [
 
 # The dtypes torch.set_default_dtype accepts.
 _SETTABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def settable(dtype: object) -> bool:
+    """True for a dtype a window can be opened in (torch.set_default_dtype accepts it)."""
+    return dtype in _SETTABLE
 
 
 @dataclass
@@ -133,15 +140,29 @@ def close_window() -> None:
     thread = threading.get_ident()
     with _condition:
         stack = _stacks[thread]
-        closed = stack.pop()
+        stack.pop()
         if stack:
-            if stack[-1] != closed:
-                del _running[thread]
+            # Not running at all when a wait for the outer window was interrupted: the
+            # outer window stays open, and its own close_window closes it.
+            if _running.get(thread) != stack[-1]:
+                _running.pop(thread, None)
                 _run_in(thread, stack[-1])
             return
         del _stacks[thread]
-        del _running[thread]
+        _running.pop(thread, None)
         _settle()
+
+
+def default_for_this_thread() -> torch.dtype:
+    """The process default this thread would see now if no other thread had a window open:
+    its innermost window's dtype, else the default before the first open window, else the
+    process default. For a library call that builds in, or reads, whatever the default is
+    (a load given no dtype): open a window in this dtype around it."""
+    with _condition:
+        stack = _stacks.get(threading.get_ident())
+        if stack:
+            return stack[-1]
+        return _baseline if _baseline is not None else torch.get_default_dtype()
 
 
 def windows_open_in_this_thread() -> int:
@@ -150,9 +171,16 @@ def windows_open_in_this_thread() -> int:
 
 
 def close_windows_opened_since(depth: int) -> None:
-    """Close the calling thread's windows down to ``depth`` open ones."""
+    """Close the calling thread's windows down to ``depth`` open ones, all of them even if
+    a wait between two is interrupted (the first such exception is raised afterwards)."""
+    interrupted: BaseException | None = None
     while windows_open_in_this_thread() > depth:
-        close_window()
+        try:
+            close_window()
+        except BaseException as error:
+            interrupted = interrupted or error
+    if interrupted is not None:
+        raise interrupted
 
 
 _calls = threading.local()

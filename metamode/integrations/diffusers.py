@@ -46,7 +46,8 @@ _DIFFUSERS = Rebinding(
 def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
     """``ModelMixin``'s ``_set_default_torch_dtype`` and ``from_pretrained``, with the
     process default dtype set in a dtype window (:mod:`metamode._core.dtype_windows`) that
-    ``from_pretrained`` closes when it returns or raises."""
+    ``from_pretrained`` closes when it returns or raises. A load given no dtype it can set
+    builds in the process default: it runs in a window of the default a lone load sees."""
     load = originals["from_pretrained"].__func__
     stock_set = originals["_set_default_torch_dtype"].__func__
 
@@ -68,6 +69,12 @@ def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
     @functools.wraps(load)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         with dtype_windows.closing_call():
+            requested = kwargs.get("dtype")
+            if requested is None:
+                requested = kwargs.get("torch_dtype")
+            if not dtype_windows.settable(requested):
+                # Built in the process default (no dtype, float8): the one a lone load sees.
+                dtype_windows.open_window(dtype_windows.default_for_this_thread())
             return load(cls, *args, **kwargs)
 
     return {

@@ -1,10 +1,12 @@
 """Shim for transformers' model-building contexts, 4.x and 5.x.
 
 5.x: rebinds ``transformers.initialization.meta_device_safe_creation_ops`` and
-``no_tie_weights``, whichever exist, and ``modeling_utils.local_torch_dtype`` and the
-device probe; sets ``PreTrainedModel.initialize_weights`` to run under a thread-scoped guard.
-4.x (no ``initialization`` module): rebinds ``modeling_utils.no_init_weights`` and
-``_init_weights`` and ``integrations.accelerate.init_empty_weights``/``init_on_device``; sets
+``no_tie_weights``, whichever exist, the device probe, and holds the default dtype in dtype
+windows (``modeling_utils.local_torch_dtype`` and ``_get_dtype``,
+``PreTrainedModel._from_config``); sets ``PreTrainedModel.initialize_weights`` to run under a
+thread-scoped guard. 4.x (no ``initialization`` module): rebinds
+``modeling_utils.no_init_weights`` and ``_init_weights``,
+``integrations.accelerate.init_empty_weights``/``init_on_device``, and sets
 ``PreTrainedModel``'s ``_set_default_dtype``, ``from_pretrained`` and ``_from_config`` to hold
 the dtype as a dtype window. What each stock context does and why these names:
 docs/design.md, "transformers versions" and "Dtype windows"; what stays process-global:
@@ -19,7 +21,7 @@ import importlib.util
 import inspect
 import sys
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
@@ -247,6 +249,67 @@ _TRANSFORMERS_DTYPE = Rebinding(
 )
 
 
+_GET_DTYPE_ORIGINAL = "transformers: _get_dtype"  # SHARED key: transformers' own function
+
+
+def _get_dtype(dtype: Any, *args: Any, **kwargs: Any) -> Any:
+    """metamode's replacement for ``transformers.modeling_utils._get_dtype``: transformers'
+    function, given the default a lone load sees (:func:`dtype_windows.default_for_this_thread`)
+    where it would read ``torch.get_default_dtype()`` outside any window of the loading
+    thread: for ``dtype=None`` and for a dict without the ``""`` key."""
+    if dtype is None:
+        dtype = dtype_windows.default_for_this_thread()
+    elif isinstance(dtype, dict) and "" not in dtype:
+        dtype = {**dtype, "": dtype_windows.default_for_this_thread()}
+    return SHARED[_GET_DTYPE_ORIGINAL](dtype, *args, **kwargs)
+
+
+def _keep_get_dtype(originals: Mapping[str, Any]) -> None:
+    SHARED[_GET_DTYPE_ORIGINAL] = originals["_get_dtype"]
+
+
+_TRANSFORMERS_GET_DTYPE = Rebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    replacements={"_get_dtype": _get_dtype},
+    before_rebinding=_keep_get_dtype,
+)
+
+
+def _from_config_in_a_window(originals: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 ``PreTrainedModel._from_config``: a call given no dtype (none passed,
+    none on the config) builds in the process default, so it runs in a window of the
+    default a lone call sees."""
+    method = originals["_from_config"]
+    raw = getattr(method, "__func__", None)
+    if not isinstance(method, classmethod) or not isinstance(raw, FunctionType):
+        raise IncompatibleLibraryError(
+            f"transformers {_TRANSFORMERS._version()}: PreTrainedModel._from_config is not a "
+            f"classmethod, so metamode cannot hold its dtype as a window; nothing was changed. "
+            f"Please report this with the version."
+        )
+
+    @functools.wraps(raw)
+    def _from_config(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if _requested_config_dtype(*args, **kwargs) is not None:
+            return raw(cls, *args, **kwargs)
+        with dtype_windows.dtype_window(dtype_windows.default_for_this_thread()):
+            return raw(cls, *args, **kwargs)
+
+    return {"_from_config": classmethod(_from_config)}
+
+
+_TRANSFORMERS_FROM_CONFIG = ClassAttributeRebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    class_name="PreTrainedModel",
+    names=("_from_config",),
+    make_replacements=_from_config_in_a_window,
+)
+
+
 def _unguarded(initialize_weights: Any) -> Any:
     """The function ``@torch.no_grad()`` and ``@init.guard_torch_init_functions()`` wrap
     in ``PreTrainedModel.initialize_weights``; ``IncompatibleLibraryError`` if the
@@ -322,7 +385,9 @@ def _without_restore(method: Any, name: str) -> FunctionType:
 def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
     """transformers 4.x ``PreTrainedModel``: ``_set_default_dtype`` opens a dtype window;
     ``from_pretrained`` and ``_from_config`` close the windows they opened when they return
-    or raise (instead of ``@restore_default_dtype``'s capture and restore)."""
+    or raise (instead of ``@restore_default_dtype``'s capture and restore). A call given no
+    dtype builds in the process default: it runs in a window of the default a lone load
+    sees."""
 
     stock_set = originals["_set_default_dtype"].__func__
 
@@ -341,10 +406,13 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
         # What the caller "restores" after building: this window's own dtype.
         return dtype
 
-    def closing_windows(raw: FunctionType) -> classmethod:
+    def closing_windows(raw: FunctionType, requested: Callable[..., Any]) -> classmethod:
         @functools.wraps(raw)
         def method(cls: type, *args: Any, **kwargs: Any) -> Any:
             with dtype_windows.closing_call():
+                if requested(*args, **kwargs) is None:
+                    # Built in the process default: the one a lone load sees.
+                    dtype_windows.open_window(dtype_windows.default_for_this_thread())
                 return raw(cls, *args, **kwargs)
 
         return classmethod(method)
@@ -352,12 +420,29 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "_set_default_dtype": classmethod(_set_default_dtype),
         "from_pretrained": closing_windows(
-            _without_restore(originals["from_pretrained"], "from_pretrained")
+            _without_restore(originals["from_pretrained"], "from_pretrained"), _requested_dtype
         ),
         "_from_config": closing_windows(
-            _without_restore(originals["_from_config"], "_from_config")
+            _without_restore(originals["_from_config"], "_from_config"), _requested_config_dtype
         ),
     }
+
+
+def _requested_dtype(*args: Any, **kwargs: Any) -> Any:
+    """The dtype a ``from_pretrained`` call asks for (``dtype=``, else ``torch_dtype=``)."""
+    dtype = kwargs.get("dtype")
+    return dtype if dtype is not None else kwargs.get("torch_dtype")
+
+
+def _requested_config_dtype(config: Any = None, **kwargs: Any) -> Any:
+    """The dtype ``_from_config(config, **kwargs)`` builds in, None for the process default
+    (stock's resolution: ``dtype=``, else the config's, overridden by ``torch_dtype=``)."""
+    config_dtype = getattr(config, "dtype", None)
+    dtype = kwargs.get("dtype", config_dtype)
+    torch_dtype = kwargs.get("torch_dtype")
+    if torch_dtype is not None and dtype == config_dtype:
+        dtype = torch_dtype
+    return dtype
 
 
 _TRANSFORMERS_4_DTYPE = ClassAttributeRebinding(
@@ -396,7 +481,13 @@ _TRANSFORMERS_PROBE = Rebinding(
 )
 
 # transformers 5: each is enabled when its names exist in its home module.
-_REBINDINGS_5 = (_TRANSFORMERS, _TRANSFORMERS_TIES, _TRANSFORMERS_PROBE, _TRANSFORMERS_DTYPE)
+_REBINDINGS_5 = (
+    _TRANSFORMERS,
+    _TRANSFORMERS_TIES,
+    _TRANSFORMERS_PROBE,
+    _TRANSFORMERS_DTYPE,
+    _TRANSFORMERS_GET_DTYPE,
+)
 
 
 def _has_initialization_module() -> bool:
@@ -494,9 +585,8 @@ def enable_for_transformers() -> tuple[str, ...]:
         rebindings = [
             r for r in _REBINDINGS_5 if set(r.replacements) <= set(vars(r._import_home()))
         ]
-        if not [r for r in rebindings if r is not _TRANSFORMERS_PROBE] and not (
-            _guards_torch_init()
-        ):
+        routing = [r for r in rebindings if r not in (_TRANSFORMERS_PROBE, _TRANSFORMERS_GET_DTYPE)]
+        if not routing and not _guards_torch_init():
             # A 5.x release with none of the patches: nothing to route, not an error.
             SHARED[_LEFT_ALONE] = (
                 f"transformers {_TRANSFORMERS._version()} has none of "
@@ -514,9 +604,12 @@ def enable_for_transformers() -> tuple[str, ...]:
             for rebinding in rebindings:
                 bound += rebinding.enable()
                 done.append(rebinding)
+            if _TRANSFORMERS_DTYPE in rebindings:
+                bound += _TRANSFORMERS_FROM_CONFIG.enable()
             if _guards_torch_init():
                 bound += _TRANSFORMERS_GUARD.enable()
         except BaseException:
+            _TRANSFORMERS_FROM_CONFIG.disable()
             for rebinding in reversed(done):
                 rebinding.disable()
             raise
@@ -529,7 +622,9 @@ def disable_for_transformers() -> tuple[str, ...]:
     Returns the restored bindings (empty if the shim was not enabled).
     """
     with _LOCK:
-        restored = [r.disable() for r in (*_REBINDINGS_5, _TRANSFORMERS_GUARD)]
+        restored = [
+            r.disable() for r in (*_REBINDINGS_5, _TRANSFORMERS_FROM_CONFIG, _TRANSFORMERS_GUARD)
+        ]
         return tuple(sorted((*(b for r in restored for b in r), *_disable_4())))
 
 
@@ -537,6 +632,7 @@ def transformers_enabled() -> bool:
     return (
         any(r.enabled for r in _REBINDINGS_5)
         or _TRANSFORMERS_GUARD.enabled
+        or _TRANSFORMERS_FROM_CONFIG.enabled
         or _TRANSFORMERS_4.enabled
     )
 
