@@ -20,6 +20,7 @@ from types import FrameType, FunctionType
 from typing import Any, Protocol
 
 import torch
+import torch.nn.utils.parametrize
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
@@ -191,6 +192,9 @@ class Recorder:
                     if version - seen[2] > 1:
                         self._unseen_write(moved)
                     return moved
+                if version - seen[2] == 1 and _set_to_itself(tensor):
+                    self._tensors[key] = (seen[0], ref, version, seen[3])
+                    return ref
                 epoch = self._epochs[ref.storage]
                 if epoch == seen[3]:  # no recorded write since: someone else wrote it
                     self._unseen_write(ref)
@@ -905,6 +909,21 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
             generators.append(_FOREIGN)  # a result may share the array's memory
         elif kind is slice:
             _scan((value.start, value.stop, value.step), tensors, generators)
+
+
+_PARAMETRIZATION_LIST = torch.nn.utils.parametrize.ParametrizationList.__init__.__code__
+
+
+def _set_to_itself(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the original parameter torch's ``ParametrizationList`` is
+    registering: it ran ``original.set_(new)`` before, which moves the version counter by
+    one and writes nothing when the right inverse gave ``original`` back (none defined)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _PARAMETRIZATION_LIST:
+            return frame.f_locals.get("original") is tensor
+        frame = frame.f_back
+    return False
 
 
 def _made_here(
