@@ -137,9 +137,9 @@ class Recorder:
         index = len(self.program.storages)
         outside = None
         device = "meta" if tensor.is_meta else tensor.device.type
-        snapshot = self._memory.watch(index, storage) if device != "meta" and external(
-            storage
-        ) else None
+        snapshot = (
+            self._memory.watch(index, storage) if device != "meta" and external(storage) else None
+        )
         if origin is Origin.OUTSIDE:
             # held (its value is read at materialize time), or copied where torch does not
             # own the memory and so cannot say whether it changed
@@ -406,9 +406,11 @@ class Recorder:
         if _FOREIGN in generators:
             # made from an array or buffer whose memory eager's result may share: a real
             # result that shares it is watched (not resizable); a meta one cannot share it
-            for storage in creates:
-                if self.program.storages[storage].device == "meta":
-                    self._memory.alias(storage, _storage_of(result, storage, self), _foreign(args, kwargs))
+            for tensor in _tensors_in(result):
+                storage = tensor.untyped_storage()
+                index = self._storages[storage._cdata][0]
+                if tensor.is_meta and index in creates:
+                    self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
 
     def _unstated(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -958,14 +960,6 @@ def _foreign(args: tuple, kwargs: dict) -> list[Any]:
         elif kind in _BUFFERS or (kind.__module__ == "numpy" and hasattr(value, "shape")):
             found.append(value)
     return found
-
-
-def _storage_of(result: Any, index: int, recorder: Recorder) -> torch.UntypedStorage:
-    """The storage of the tensor in ``result`` recorded as storage ``index``."""
-    for tensor in _tensors_in(result):
-        if recorder.ref(tensor, check=False).storage == index:
-            return tensor.untyped_storage()
-    raise LookupError(index)
 
 
 def _NOTHING() -> None:

@@ -18,7 +18,6 @@ from torch import nn
 import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
-    assert_eager_equal,
     assert_refused,
     assert_same_tensors,
     build_eagerly,
@@ -43,9 +42,7 @@ def _initialise(model: nn.Module, conv: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("build", sorted(LAZY))
-def test_a_lazy_module_materializes_uninitialised_then_initialises_as_eager(
-    build, include_buffers
-):
+def test_a_lazy_module_materializes_uninitialised_then_initialises_as_eager(build, include_buffers):
     conv = "Conv" in build
     ref = build_eagerly(LAZY[build])
     model = build_empty(LAZY[build], include_buffers)
