@@ -79,6 +79,11 @@ class ExternalMemory:
             self._aliased[storage._cdata] = (index, held)
             self.active = True
 
+    def aliased(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (meta) stands for one eager construction makes over the
+        memory of a NumPy array or Python buffer."""
+        return bool(self._aliased) and tensor.untyped_storage()._cdata in self._aliased
+
     def diverged(self, tensors: list[torch.Tensor]) -> list[int]:
         """The meta storages among ``tensors``' whose source memory changed since they were
         made: eager's tensor, sharing it, would read other values now."""

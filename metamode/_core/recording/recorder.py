@@ -403,7 +403,7 @@ class Recorder:
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
         self._append(call, tensors, draws, drew_real)
-        if _FOREIGN in generators:
+        if _FOREIGN in generators and func is not _COPIES:
             # made from an array or buffer whose memory eager's result may share: a real
             # result that shares it is watched (not resizable); a meta one cannot share it
             for tensor in _tensors_in(result):
@@ -806,11 +806,14 @@ class Recorder:
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
         entry = registry.add(target, self.program, module, name)
-        if placed is not None and self._memory.owns(ref.storage):
+        if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(
+            target
+        ):
             entry.refused = (
                 "eager construction registers memory torch does not own (torch.from_numpy, "
-                "torch.asarray of a Python buffer), which its tensor keeps sharing with "
-                "that array; its twin cannot: register a copy (.clone())"
+                "torch.asarray or torch.as_tensor of a NumPy array or Python buffer), which "
+                "its tensor keeps sharing with that array; on meta it has memory of its own: "
+                "register a copy (.clone())"
             )
         self._registered.append((weakref.ref(target), entry))
 
@@ -948,6 +951,7 @@ def _made_here(
 
 
 _BUFFERS = frozenset([array.array, bytearray, memoryview])
+_COPIES = torch.tensor  # "torch.tensor() always copies data" (torch's documentation)
 
 
 def _foreign(args: tuple, kwargs: dict) -> list[Any]:

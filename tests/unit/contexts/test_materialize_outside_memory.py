@@ -238,3 +238,31 @@ def test_a_value_computed_after_apply_is_refused_and_the_real_buffer_kept():
 def test_apply_on_a_meta_buffer_is_refused():
     model = build_empty(AppliesToABuffer, include_buffers=True)
     assert_refused(model, "table", "param", because=r"apply_\(\)")
+
+
+class RegistersAFactoryResult(nn.Module):
+    def __init__(self, make, table: np.ndarray) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("table", make(table))
+
+
+@pytest.mark.parametrize("make", ["asarray(ndarray)", "as_tensor(ndarray)"])
+def test_registering_a_factory_result_sharing_an_array_on_meta_is_refused(make):
+    # eager's buffer is the array's memory: it shows what the array holds later
+    table = np.arange(3, dtype=np.float32)
+    model = build_empty(
+        lambda: RegistersAFactoryResult(FACTORIES[make], table), include_buffers=True
+    )
+    table[:] = 9.0
+    message = assert_refused(model, "table", because=r"does not own.*clone\(\)")
+    assert "lin.weight" not in message
+
+
+def test_registering_a_copy_of_an_array_on_meta_is_exact():
+    # torch.tensor always copies: eager's buffer does not follow the array
+    table = np.arange(3, dtype=np.float32)
+    ref = copy.deepcopy(build_eagerly(lambda: RegistersAFactoryResult(torch.tensor, table)))
+    model = build_empty(lambda: RegistersAFactoryResult(torch.tensor, table), include_buffers=True)
+    table[:] = 9.0
+    materialize_exactly(model, ref)
