@@ -806,9 +806,7 @@ class Recorder:
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
         entry = registry.add(target, self.program, module, name)
-        if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(
-            target
-        ):
+        if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(target):
             entry.refused = (
                 "eager construction registers memory torch does not own (torch.from_numpy, "
                 "torch.asarray or torch.as_tensor of a NumPy array or Python buffer), which "
