@@ -117,3 +117,19 @@ def test_the_outside_tensor_is_not_kept_alive_once_overwritten():
     gc.collect()
     assert made[0]() is None
     materialize_exactly(model, build_eagerly(Tracks))
+
+
+def test_a_transformers_wav2vec2_model_is_exact():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8, 8),
+        conv_stride=(2, 2),
+        conv_kernel=(3, 3),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+    )
+    assert_eager_equal(lambda: transformers.Wav2Vec2Model(config), include_buffers=False)
