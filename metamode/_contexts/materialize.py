@@ -89,6 +89,7 @@ def _find_entries(slots: list[_Slot]) -> None:
                 slot.entry = slot.entry or recording.home(home, name)
         if slot.entry is not None:
             programs[slot.entry.program.serial] = slot.entry.program
+    owners: dict[int, list[Program]] | None = None  # storage address -> programs knowing it
     for slot in slots:
         if slot.entry is None and not _is_dtensor(slot.tensor) and not _lazy(slot.tensor):
             # made without registration (copy.deepcopy of a built module, a cast by
@@ -96,12 +97,25 @@ def _find_entries(slots: list[_Slot]) -> None:
             # known by its storage to a program, first those that recorded this module's
             # other tensors. A real one counts only if a recorded call made its storage
             # (one made before the build is a loaded tensor).
+            if owners is None:
+                owners = _owners(programs)
             address = slot.tensor.untyped_storage()._cdata
-            others = [p for p in recording.closed_programs() if p.serial not in programs]
-            for program in [*programs.values(), *others]:
+            for program in owners.get(address, ()):
                 slot.entry = _unregistered(slot.tensor, program, address)
                 if slot.entry is not None:
                     break
+
+
+def _owners(programs: dict[int, Program]) -> dict[int, list[Program]]:
+    """Every live recorded storage's address -> the programs that know it, the module's own
+    programs first, then every other closed one."""
+    others = [p for p in recording.closed_programs() if p.serial not in programs]
+    owners: dict[int, list[Program]] = {}
+    for program in [*programs.values(), *others]:
+        for address, (_, keep) in program.live.items():
+            if not keep.expired():
+                owners.setdefault(address, []).append(program)
+    return owners
 
 
 def _unregistered(tensor: torch.Tensor, program: Program, address: int) -> Entry | None:
