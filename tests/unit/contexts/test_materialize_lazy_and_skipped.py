@@ -127,3 +127,10 @@ def test_a_skipped_stretch_first_in_the_build_is_kept_as_it_is():
     weight = model[0].weight
     materialize_exactly(model, ref)
     assert model[0].weight is weight
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_summary_of_a_lazy_build_counts_no_elements_for_uninitialised_tensors(include_buffers):
+    model = build_empty(LAZY["LazyLinear"], include_buffers)
+    report = metamode.summary(model)
+    assert "1.weight" in report.materializable
