@@ -14,6 +14,7 @@ from torch import nn
 
 from metamode import _torch
 from metamode._core import recording
+from metamode._core.params import moved_parameter
 from metamode._core.recording import Entry, Key, Program, TensorRef
 
 __all__ = [
@@ -88,26 +89,57 @@ def _find_entries(slots: list[_Slot]) -> None:
                 slot.entry = slot.entry or recording.home(home, name)
         if slot.entry is not None:
             programs[slot.entry.program.serial] = slot.entry.program
+    owners: dict[int, list[Program]] | None = None  # storage address -> programs knowing it
     for slot in slots:
-        if slot.entry is None and slot.tensor.is_meta:
+        if slot.entry is None and not _is_dtensor(slot.tensor) and not _lazy(slot.tensor):
             # made without registration (copy.deepcopy of a built module, a cast by
-            # Module._apply): known by its storage to a program, first those that
-            # recorded this module's other tensors
+            # Module._apply, module._buffers[k] = t, a stretch under skip_empty_weights):
+            # known by its storage to a program, first those that recorded this module's
+            # other tensors. A real one counts only if a recorded call made its storage
+            # (one made before the build is a loaded tensor).
+            if owners is None:
+                owners = _owners(programs)
             address = slot.tensor.untyped_storage()._cdata
-            others = [p for p in recording.closed_programs() if p.serial not in programs]
-            for program in [*programs.values(), *others]:
-                known = program.live.get(address)
-                if known is not None and not known[1].expired():
-                    tensor = slot.tensor
-                    ref = TensorRef(
-                        known[0],
-                        tensor.dtype,
-                        tuple(tensor.shape),
-                        tensor.stride(),
-                        int(tensor.storage_offset()),
-                    )
-                    slot.entry = Entry(program, ref, _version(tensor))
+            for program in owners.get(address, ()):
+                slot.entry = _unregistered(slot.tensor, program, address)
+                if slot.entry is not None:
                     break
+
+
+def _owners(programs: dict[int, Program]) -> dict[int, list[Program]]:
+    """Every live recorded storage's address -> the programs that know it, the module's own
+    programs first, then every other closed one."""
+    others = [p for p in recording.closed_programs() if p.serial not in programs]
+    owners: dict[int, list[Program]] = {}
+    for program in [*programs.values(), *others]:
+        for address, (_, keep) in program.live.items():
+            if not keep.expired():
+                owners.setdefault(address, []).append(program)
+    return owners
+
+
+def _unregistered(tensor: torch.Tensor, program: Program, address: int) -> Entry | None:
+    """``tensor``'s entry in ``program``, which knows its storage but never saw it
+    registered, or None."""
+    known = program.live.get(address)
+    if known is None or known[1].expired():
+        return None
+    version = _version(tensor)
+    if not tensor.is_meta:
+        made = program.made.get(address)
+        if made is None:
+            return None
+        if made[1] and version not in made[1]:
+            version = min(made[1])  # written after the block: _changed says so
+    ref = TensorRef(
+        known[0], tensor.dtype, tuple(tensor.shape), tensor.stride(), int(tensor.storage_offset())
+    )
+    return Entry(program, ref, version)
+
+
+def _lazy(tensor: torch.Tensor) -> bool:
+    """A lazy module's uninitialised tensor: eager construction gives it no value either."""
+    return isinstance(tensor, _torch.UninitializedTensorMixin)
 
 
 def _changed(slot: _Slot) -> str | None:
@@ -146,6 +178,8 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     _find_entries(slots)
     for slot in slots:
         entry, tensor = slot.entry, slot.tensor
+        if _lazy(tensor):
+            continue  # materialize puts an uninitialised one on the device
         if entry is None:
             if tensor.is_meta:
                 slot.reason = (
@@ -156,6 +190,9 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
             continue
         if entry.program.abandoned:
             slot.reason = entry.program.abandoned
+            continue
+        if entry.refused is not None and tensor.is_meta:
+            slot.reason = entry.refused
             continue
         if entry.ref is None:
             slot.reason = (
@@ -296,6 +333,9 @@ def materialize(
                 if slot.tensor.is_meta:
                     install.empty(slot)
             for slot in slots:
+                if _lazy(slot.tensor) and slot.tensor.device != device:
+                    install.uninitialised(slot)
+            for slot in slots:
                 if slot.shares is not None and slot.wanted:
                     replaced = _REPLACED.get(slot.tensor)
                     if replaced is not None and slot.kind == "buffer":
@@ -361,6 +401,17 @@ class _Installer:
         _REPLACED[slot.tensor] = new
         self._undo.append(functools.partial(_REPLACED.pop, slot.tensor, None))
         return new
+
+    def uninitialised(self, slot: _Slot) -> None:
+        """A lazy module's uninitialised tensor, recreated on the device (what eager
+        construction has there: no value until the module's first forward)."""
+        new = moved_parameter(slot.tensor, self.device)  # type: ignore[arg-type]
+        table = "_parameters" if slot.kind == "parameter" else "_buffers"
+        for home, name in slot.homes:
+            held = getattr(home, table)
+            old = held[name]
+            held[name] = new
+            self._undo.append(functools.partial(held.__setitem__, name, old))
 
     def empty(self, slot: _Slot) -> None:
         self._put(slot, torch.empty_like(slot.tensor, device=self.device))

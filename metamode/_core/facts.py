@@ -191,6 +191,9 @@ class Fact:
     function. ``changes_geometry``: may give a tensor argument another storage, shape or
     strides in place. ``is_meta``, ``device``: a read of that property. ``hands_out_memory``:
     returns the tensor's memory to code outside torch's dispatch (``numpy()``).
+    ``unstated``: an in-place tensor method torch binds without an operator schema
+    (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
+    no version counter), so nothing states what it writes.
     """
 
     name: str
@@ -204,6 +207,7 @@ class Fact:
     is_meta: bool = False
     device: bool = False
     hands_out_memory: bool = False
+    unstated: bool = False
 
 
 _QUERY_FACT = Fact("query", query=True)
@@ -241,6 +245,13 @@ def _classify(func: Any) -> Fact:
         return Fact(name, query=True, hands_out_memory=True)
     if name in _QUERY_FUNCTIONS and type(func) is not FunctionType:
         return _QUERY_FACT
+    if (
+        name.endswith("_")
+        and not name.startswith("_")
+        and _is_tensor_method(func)
+        and not _aten_overloads(name)
+    ):
+        return Fact(name, unstated=True)
     if type(func) is FunctionType:
         return _python_fact(func, name)
     ops = _aten_overloads(name)

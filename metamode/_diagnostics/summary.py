@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from metamode._contexts.materialize import unreproducible
+from metamode._torch import UninitializedTensorMixin
 
 __all__ = ["Summary", "SummaryRow", "summary"]
 
@@ -218,9 +219,10 @@ def summary(module: nn.Module) -> Summary:
                 if not any(name in refused for name in names):
                     materializable.append(names[0])
             group = groups.setdefault((kind, str(tensor.device), _dtype(tensor.dtype)), [0, 0, 0])
+            numel = 0 if isinstance(tensor, UninitializedTensorMixin) else tensor.numel()
             group[0] += 1
-            group[1] += tensor.numel()
-            group[2] += tensor.numel() * tensor.element_size()
+            group[1] += numel
+            group[2] += numel * tensor.dtype.itemsize
     order = {"parameter": 0, "buffer": 1}
     rows = tuple(
         SummaryRow(kind, device, dtype, *counts)

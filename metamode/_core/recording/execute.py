@@ -46,8 +46,14 @@ class _Run:
         if storage is not None:
             return storage
         info = self.plan.programs[key[0]].storages[key[1]]
-        if info.origin is Origin.OUTSIDE and info.outside is not None:
-            tensor = info.outside.tensor()
+        outside = info.outside
+        if info.origin is Origin.OUTSIDE and outside is not None:
+            if outside.snapshot is not None:  # a private copy of its first value
+                storage = self.env[key] = outside.snapshot.storage()
+                return storage
+            if outside.written:
+                return None  # the plan needs only what the build wrote: private memory
+            tensor = outside.tensor()
             if tensor is None:
                 raise ReplayError("a tensor from outside the recording is gone")
             storage = self.env[key] = tensor.untyped_storage()

@@ -236,6 +236,8 @@ def _origin_reason(storage) -> str | None:
     if outside is None:
         return None
     tensor = outside.tensor()
+    if outside.snapshot is not None:
+        return None  # its value when the build first read it
     if outside.written:
         return "the build wrote a tensor made outside the recording, so its first value is gone"
     if tensor is None:

@@ -73,13 +73,15 @@ class Origin(enum.Enum):
 @dataclass(slots=True)
 class Outside:
     """A real tensor made outside the recording that the build read: replay reads it at
-    materialize time if its version counter and storage prove it unchanged."""
+    materialize time if its version counter and storage prove it unchanged, or, for memory
+    torch does not own, the snapshot taken when the build first read it."""
 
-    tensor: Callable[[], torch.Tensor | None]  # a weak reference
+    tensor: Callable[[], torch.Tensor | None]  # the tensor (held), or None once not needed
     version: int
     storage: int  # the storage's address, kept from reuse by the weak reference below
     keep: Any  # torch's StorageWeakRef to that storage
     written: bool = False  # the build wrote it: its value at first use is gone
+    snapshot: Any = None  # memory.Bytes: its value at first read (memory torch does not own)
 
 
 @dataclass(slots=True)
@@ -199,6 +201,10 @@ class Program:
     # after the recording: storage address -> (index, weak reference), for tensors that
     # share a recorded storage but were never handed to a mode (``copy.deepcopy``)
     live: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    # after the recording: address -> (index, version counters seen) of each real storage a
+    # recorded call created that was alive then (a tensor of it the build left in a module
+    # without registering it is the build's, never a loaded one)
+    made: dict[int, tuple[int, frozenset[int]]] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<metamode program {self.serial}: {len(self.calls)} calls, {self.state.value}>"

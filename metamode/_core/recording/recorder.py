@@ -20,6 +20,7 @@ from types import FrameType, FunctionType
 from typing import Any, Protocol
 
 import torch
+import torch.nn.utils.parametrize
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
@@ -33,6 +34,7 @@ from metamode._core.facts import (
     stand_in_rule,
 )
 from metamode._core.recording import registry
+from metamode._core.recording.memory import ExternalMemory, Held, external, refill
 from metamode._core.recording.program import (
     _SEQUENCE,
     Call,
@@ -49,7 +51,7 @@ from metamode._core.recording.program import (
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
-from metamode._torch import pop_mode, push_mode
+from metamode._torch import DisableTorchFunction, UninitializedTensorMixin, pop_mode, push_mode
 
 __all__ = ["GENERATOR", "Recorder"]
 
@@ -127,15 +129,22 @@ class Recorder:
         self._default_track: GeneratorTrack | None = None
         # storage -> the storages registered views were cut apart from (or into)
         self._views: dict[int, set[int]] = {}
+        self._memory = ExternalMemory()  # storages whose memory torch does not own
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
         storage = tensor.untyped_storage()
         index = len(self.program.storages)
         outside = None
-        if origin is Origin.OUTSIDE:
-            outside = Outside(weakref.ref(tensor), _version(tensor), storage._cdata, None)
         device = "meta" if tensor.is_meta else tensor.device.type
+        snapshot = (
+            self._memory.watch(index, storage) if device != "meta" and external(storage) else None
+        )
+        if origin is Origin.OUTSIDE:
+            # held (its value is read at materialize time), or copied where torch does not
+            # own the memory and so cannot say whether it changed
+            held = Held(tensor if snapshot is None else None)
+            outside = Outside(held, _version(tensor), storage._cdata, None, snapshot=snapshot)
         self.program.storages.append(Storage(origin, device, storage.nbytes(), call, outside))
         if tensor.is_inference():
             self.program.storages[
@@ -175,6 +184,17 @@ class Recorder:
             except RuntimeError:  # an inference tensor
                 version = -1
             if version != seen[2] and creating_call is None and check:
+                if not self._in_place(tensor, ref):
+                    # Tensor.set_ (which no mode sees) gave it other memory or geometry:
+                    # a new view, written only if more than set_'s own version bump
+                    del self._tensors[key]
+                    moved = self.ref(tensor)
+                    if version - seen[2] > 1:
+                        self._unseen_write(moved)
+                    return moved
+                if version - seen[2] == 1 and _set_to_itself(tensor):
+                    self._tensors[key] = (seen[0], ref, version, seen[3])
+                    return ref
                 epoch = self._epochs[ref.storage]
                 if epoch == seen[3]:  # no recorded write since: someone else wrote it
                     self._unseen_write(ref)
@@ -197,6 +217,18 @@ class Recorder:
             version = -1
         self._tensors[key] = (weakref.ref(tensor), ref, version, self._epochs[index])
         return ref
+
+    def _in_place(self, tensor: torch.Tensor, ref: TensorRef) -> bool:
+        """Whether ``tensor`` is still the view ``ref`` of the same storage."""
+        known = self._storages.get(tensor.untyped_storage()._cdata)
+        return (
+            known is not None
+            and known[0] == ref.storage
+            and tensor.dtype == ref.dtype
+            and tuple(tensor.shape) == ref.size
+            and tensor.stride() == ref.stride
+            and tensor.storage_offset() == ref.offset
+        )
 
     def _unseen_write(self, ref: TensorRef) -> None:
         self._epochs[ref.storage] += 1
@@ -288,6 +320,8 @@ class Recorder:
             ):
                 self._meta_read(args[0], sys._getframe(1), fact.is_meta)
             return result
+        if fact.unstated:
+            return self._unstated(func, args, kwargs)
         if type(func) is FunctionType:
             original = stand_in_for(func)
             if original is not None:
@@ -302,6 +336,8 @@ class Recorder:
             _scan(tuple(kwargs.values()), tensors, generators)
         if fact.factory and not fact.random and not tensors and not generators:
             return self._made(func, args, kwargs, runner)
+        if self._memory.active:
+            self._reread(tensors)
         try:
             versions = [t._version for t in tensors]
         except RuntimeError:  # an inference tensor among them
@@ -367,11 +403,82 @@ class Recorder:
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
         self._append(call, tensors, draws, drew_real)
-        if _FOREIGN in generators:  # its memory may be an array's, which can change
-            for storage in creates:
-                if self.program.storages[storage].device != "meta":
-                    self.program.storages[storage].off = True
+        if _FOREIGN in generators and func is not _COPIES:
+            # made from an array or buffer whose memory eager's result may share: a real
+            # result that shares it is watched (not resizable); a meta one cannot share it
+            for tensor in _tensors_in(result):
+                storage = tensor.untyped_storage()
+                index = self._storages[storage._cdata][0]
+                if tensor.is_meta and index in creates:
+                    self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
+
+    def _unstated(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A tensor method whose effect on the values torch's schema does not state
+        (``apply_``, ``map_``: they run a Python function over the memory and move no
+        version counter). It runs on real memory; what it wrote cannot be replayed."""
+        tensors: list[torch.Tensor] = []
+        _scan(args, tensors, [])
+        _scan(tuple(kwargs.values()), tensors, [])
+        if not tensors:
+            return func(*args, **kwargs)
+        target = tensors[0]
+        result = target if target.is_meta else func(*args, **kwargs)
+        inputs = [self.ref(t) for t in tensors]
+        call = Call(
+            func,
+            (),
+            {},
+            reads=tuple(dict.fromkeys(ref.storage for ref in inputs)),
+            writes=(inputs[0].storage,),
+            creates=(),
+            result=None,
+            refused=(
+                f"it was written by {_name(func)}(), which torch binds without an operator "
+                f"schema: what it does to the values (a Python function run over the "
+                f"memory, for apply_ and map_) is neither versioned nor replayable; compute "
+                f"the values with torch operations"
+            ),
+            seq=next(_SEQUENCE),
+        )
+        self._append(call, tensors, [], False)
+        return result
+
+    def _reread(self, tensors: list[torch.Tensor]) -> None:
+        """Record, as writes of their bytes, changes to memory torch does not own that the
+        build is about to read (a NumPy buffer refilled since it was last read)."""
+        for index in self._memory.diverged(tensors):
+            info = self.program.storages[index]
+            info.pinned = info.pinned or (
+                "eager construction makes it over the memory of a NumPy array or Python "
+                "buffer (torch.asarray, torch.as_tensor), which changed before the build "
+                "read it again; on meta it has memory of its own: pass a copy "
+                "(np.array(x, copy=True)) or build it from torch calls"
+            )
+        for index, data in self._memory.changed(tensors):
+            storage = self.program.storages[index]
+            nbytes = storage.nbytes
+            target = TensorRef(index, torch.uint8, (nbytes,), (1,), 0)
+            call = Call(
+                refill,
+                (target, data),
+                {},
+                reads=(),
+                writes=(index,),
+                creates=(),
+                result=None,
+                target=index,
+                covers=index,
+                refused=(
+                    "its memory, which torch does not own (NumPy, a Python buffer), was "
+                    "changed outside torch after the build computed it from random numbers "
+                    "eager construction draws differently"
+                    if storage.off
+                    else None
+                ),
+                seq=next(_SEQUENCE),
+            )
+            self._append(call, [], [], False)
 
     def _skipped(self, func: Any, fact: Fact, args: tuple, kwargs: dict, target: Any) -> Any:
         """A value-initialising call the context skipped on meta: it writes ``target``."""
@@ -527,6 +634,10 @@ class Recorder:
                 info.off = True
             if info.outside is not None:
                 info.outside.written = True
+                info.outside.tensor = _NOTHING  # its first value is no longer needed
+        if self._memory.active:
+            for storage in call.writes:
+                self._memory.written(storage)
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))
@@ -656,7 +767,18 @@ class Recorder:
         name: str | None = None,
     ) -> None:
         """``original`` was registered on ``module`` as ``name``; ``placed`` is the meta
-        twin the context put there instead (None if it kept ``original``)."""
+        twin the context put there instead (None if it kept ``original``). A lazy
+        module's uninitialised tensor has no value to record."""
+        if isinstance(original, UninitializedTensorMixin):
+            return
+        with DisableTorchFunction():  # metamode's own reads are not the build's
+            self._registered_now(original, placed, module, name)
+
+    def _registered_now(
+        self, original: torch.Tensor, placed: torch.Tensor | None, module: Any, name: str | None
+    ) -> None:
+        if self._memory.active:
+            self._reread([original])
         ref = self.ref(original)
         if ref.storage in self._views:  # the larger tensor a view was cut from, again
             self._apart(ref.storage)
@@ -683,9 +805,15 @@ class Recorder:
                 self._views.setdefault(twin, set()).add(ref.storage)
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
-        self._registered.append(
-            (weakref.ref(target), registry.add(target, self.program, module, name))
-        )
+        entry = registry.add(target, self.program, module, name)
+        if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(target):
+            entry.refused = (
+                "eager construction registers memory torch does not own (torch.from_numpy, "
+                "torch.asarray or torch.as_tensor of a NumPy array or Python buffer), which "
+                "its tensor keeps sharing with that array; on meta it has memory of its own: "
+                "register a copy (.clone())"
+            )
+        self._registered.append((weakref.ref(target), entry))
 
     def _apart(self, storage: int) -> None:
         """``storage`` was written or registered again: the registered views cut from it
@@ -722,6 +850,10 @@ class Recorder:
     # -- the end ------------------------------------------------------------------------
     def close(self) -> None:
         """The owning context exited: hand the registered tensors to the registry."""
+        with DisableTorchFunction():  # metamode's own reads are not the build's
+            self._close()
+
+    def _close(self) -> None:
         program = self.program
         for tensor_ref, entry in self._registered:
             tensor = tensor_ref()
@@ -733,6 +865,7 @@ class Recorder:
             for address, (index, keep) in self._storages.items()
             if not keep.expired()
         }
+        program.made = _made_here(program, self._tensors)
         if program.state is ProgramState.RECORDING:
             program.state = ProgramState.CLOSED
         registry.closed(program)
@@ -740,6 +873,7 @@ class Recorder:
         self._storages = {}
         self._registered = []
         self._generators = {}
+        self._memory = ExternalMemory()
 
     def abandon(self, why: str) -> None:
         """Nothing recorded here can be materialized."""
@@ -774,10 +908,65 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
             _scan(value, tensors, generators)
         elif kind is torch.Generator:
             generators.append(value)
-        elif kind.__module__ == "numpy" and hasattr(value, "shape"):
+        elif (kind.__module__ == "numpy" and hasattr(value, "shape")) or kind in _BUFFERS:
             generators.append(_FOREIGN)  # a result may share the array's memory
         elif kind is slice:
             _scan((value.start, value.stop, value.step), tensors, generators)
+
+
+_PARAMETRIZATION_LIST = torch.nn.utils.parametrize.ParametrizationList.__init__.__code__
+
+
+def _set_to_itself(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the original parameter torch's ``ParametrizationList`` is
+    registering: it ran ``original.set_(new)`` before, which moves the version counter by
+    one and writes nothing when the right inverse gave ``original`` back (none defined)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _PARAMETRIZATION_LIST:
+            return frame.f_locals.get("original") is tensor
+        frame = frame.f_back
+    return False
+
+
+def _made_here(
+    program: Program, tensors: dict[int, tuple[weakref.ref, TensorRef, int, int]]
+) -> dict[int, tuple[int, frozenset[int]]]:
+    """Real storages a recorded call created that are still alive: address -> (index, the
+    version counters seen on their tensors), so a real tensor a module holds without a
+    registration (``module._buffers[k] = t``) is known as the build's."""
+    versions: dict[int, set[int]] = {}
+    for _, ref, version, _ in tensors.values():
+        storage = program.storages[ref.storage]
+        if storage.origin is Origin.CREATED and storage.device != "meta":
+            versions.setdefault(ref.storage, set()).add(version)
+    return {
+        address: (index, frozenset(versions.get(index, ())))
+        for address, (index, _) in program.live.items()
+        if program.storages[index].origin is Origin.CREATED
+        and program.storages[index].device != "meta"
+    }
+
+
+_BUFFERS = frozenset([array.array, bytearray, memoryview])
+_COPIES = torch.tensor  # "torch.tensor() always copies data" (torch's documentation)
+
+
+def _foreign(args: tuple, kwargs: dict) -> list[Any]:
+    """The NumPy arrays and Python buffers among a call's arguments."""
+    found: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind is tuple or kind is list:
+            found += _foreign(tuple(value), {})
+        elif kind in _BUFFERS or (kind.__module__ == "numpy" and hasattr(value, "shape")):
+            found.append(value)
+    return found
+
+
+def _NOTHING() -> None:
+    """What an outside tensor no longer needed is held as."""
+    return None
 
 
 def _unseen_write(tensor: torch.Tensor) -> None:

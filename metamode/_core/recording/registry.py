@@ -23,6 +23,7 @@ class Entry:
     program: Program
     ref: TensorRef | None = None
     version: int = -1
+    refused: str | None = None  # why its registration cannot be reproduced, if so
 
 
 _ENTRIES: dict[int, tuple[weakref.ref, Entry]] = {}

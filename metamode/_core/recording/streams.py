@@ -46,6 +46,11 @@ _BY_PROGRAM: dict[int, list[int]] = {}  # program serial -> its marker seeds
 # later build can still continue the stream); the oldest go first beyond _KEEP.
 _KEPT: OrderedDict[int, None] = OrderedDict()
 _KEEP = 256
+# program serial (as a marker packs it) -> the last call it set a marker after, for every
+# program that set markers and is gone: a generator still in one of those marker states
+# (the build was dropped before materialize computed that state) continues a stream
+# nobody can replay. A few bytes per program; kept for the life of the process.
+_DEAD: dict[int, int] = {}
 _LOCK = threading.RLock()  # a finalizer may run while it is held
 
 
@@ -108,12 +113,44 @@ def _marker_value(program: Program, call: int, stream: int) -> int:
     return value ^ (value >> 31)
 
 
+_INVERSE_1 = pow(0xBF58476D1CE4E5B9, -1, 1 << 64)
+_INVERSE_2 = pow(0x94D049BB133111EB, -1, 1 << 64)
+
+
+def _unshift(value: int, shift: int) -> int:
+    """The inverse of ``value ^ (value >> shift)`` on 64 bits."""
+    result = value
+    for _ in range(64 // shift + 1):
+        result = value ^ (result >> shift)
+    return result & _MASK
+
+
+def _packed(seed: int) -> int:
+    """The (serial, call, stream) word whose :func:`_marker_value` is ``seed``
+    (splitmix64's finaliser is a bijection)."""
+    value = _unshift(seed & _MASK, 31)
+    value = _unshift((value * _INVERSE_2) & _MASK, 27)
+    value = _unshift((value * _INVERSE_1) & _MASK, 30)
+    return (value - 0x9E3779B97F4A7C15) & _MASK
+
+
+def _dead_marker(seed: int) -> bool:
+    """Whether ``seed`` is a marker a program that is gone set (and no replay kept)."""
+    if not _DEAD:
+        return False
+    packed = _packed(seed)
+    last = _DEAD.get(packed >> 40)
+    return last is not None and (packed >> 8) & 0xFFFFFFFF <= last
+
+
 def before_draw(track: GeneratorTrack, program: Program, last_call: int | None) -> Draw:
     """Where eager's state of ``track``'s generator is now, for a draw about to be recorded;
     ``last_call`` is this program's previous draw on the stream (None if none)."""
     generator = track.generator
     seed = generator.initial_seed()
     if seed not in _MARKERS:
+        if _dead_marker(seed):
+            return Draw(track.stream, Start.UNKNOWN, reason=_GONE)
         return Draw(track.stream, Start.ANCHOR, state=generator.get_state())
     if not _fresh(generator, seed):
         return _unknown(track)
@@ -130,11 +167,15 @@ def _after(track: GeneratorTrack, program: Program, seed: int) -> Draw:
         return Draw(track.stream, Start.AFTER, after=(source, marker.call, marker.stream))
     if marker is not None and marker.state is not None:
         return Draw(track.stream, Start.ANCHOR, state=marker.state)
-    return Draw(
-        track.stream,
-        Start.UNKNOWN,
-        reason="its generator continues a replayable build whose recording is gone",
-    )
+    return Draw(track.stream, Start.UNKNOWN, reason=_GONE)
+
+
+_GONE = (
+    "its generator continues an earlier replayable build that was dropped before "
+    "materialize computed where that build leaves it, so eager construction's state here is "
+    "unknown; materialize (or keep) the earlier build first, or call torch.manual_seed "
+    "before this one"
+)
 
 
 def _unknown(track: GeneratorTrack) -> Draw:
@@ -175,7 +216,12 @@ def replayed(seed: int, state: torch.Tensor) -> None:
 
 def _forget(serial: int) -> None:
     with _LOCK:
-        for seed in _BY_PROGRAM.pop(serial, ()):
+        seeds = _BY_PROGRAM.pop(serial, ())
+        if seeds:
+            last = max((_packed(seed) >> 8) & 0xFFFFFFFF for seed in seeds)
+            key = serial & 0xFFFFFF
+            _DEAD[key] = max(last, _DEAD.get(key, 0))
+        for seed in seeds:
             marker = _MARKERS.get(seed)
             if marker is None:
                 continue

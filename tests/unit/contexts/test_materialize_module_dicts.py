@@ -1,0 +1,124 @@
+"""materialize and tensors that enter a module without a registration hook.
+
+``module._parameters[k] = p``, ``module._buffers[k] = b`` and ``Module._apply`` (``.double()``,
+``.half()``, ``.float()`` inside a params-only block put the cast copy of each buffer straight
+into ``_buffers``) bypass torch's registration hooks. Such a tensor stays real; if the build
+drew its values from a stream its meta draws had shifted, keeping it would keep wrong values
+as if they were loaded. Every real tensor a recorded call made is the build's: materialize
+replays it (or refuses it, saying why), and keeps only real tensors the build did not make.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import metamode
+from tests.unit.contexts.materialize_checks import (
+    MODES,
+    assert_eager_equal,
+    assert_refused,
+    build_eagerly,
+    build_empty,
+    materialize_exactly,
+)
+
+
+class IntoParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)  # skipped draws on meta: the stream shifts
+        self._parameters["direct"] = nn.Parameter(torch.randn(3))
+        self.after = nn.Linear(3, 3)
+
+
+class IntoBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self._buffers["noise"] = torch.rand(2, 3) * 0.1
+        self._buffers["index"] = torch.randperm(5)
+        self.after = nn.Linear(3, 3)
+
+
+class IntoBoth(nn.Module):
+    """The same drawn tensor under a buffer and (as a parameter) under a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        drawn = torch.empty(4).normal_()
+        self._buffers["drawn"] = drawn
+        self._parameters["shared"] = nn.Parameter(drawn)
+        self.after = nn.Linear(3, 3)
+
+
+class CastInside(nn.Module):
+    """``Module._apply`` replaces every buffer in ``_buffers`` directly."""
+
+    def __init__(self, cast: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("noise", torch.randn(3))
+        self.norm = nn.BatchNorm1d(3)
+        getattr(self, cast)()
+        self.after = nn.Linear(3, 3)
+
+
+class SubmoduleCastInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.inner = nn.Module()
+        self.inner.register_buffer("table", torch.rand(4))
+        self.inner.double()
+
+
+BUILDS = {
+    "_parameters[k]=": IntoParameters,
+    "_buffers[k]=": IntoBuffers,
+    "both": IntoBoth,
+    ".double()": lambda: CastInside("double"),
+    ".half()": lambda: CastInside("half"),
+    ".float()": lambda: CastInside("float"),
+    "submodule.double()": SubmoduleCastInside,
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_tensors_put_in_a_module_without_a_hook_get_their_eager_values(build, include_buffers):
+    assert_eager_equal(BUILDS[build], include_buffers)
+
+
+def test_a_real_tensor_made_before_the_block_is_kept_as_loaded():
+    loaded = torch.arange(3, dtype=torch.float32)
+
+    class Loads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self._buffers["loaded"] = loaded
+            self._parameters["weight"] = nn.Parameter(loaded * 0 + 1)
+
+    ref = build_eagerly(Loads)
+    model = build_empty(Loads)
+    materialize_exactly(model, ref)
+    assert model.loaded is loaded
+
+
+def test_an_unregistered_tensor_written_after_the_block_is_refused():
+    model = build_empty(IntoBuffers)
+    with torch.no_grad():
+        model.noise.add_(1.0)
+    assert_refused(model, "noise", because="written after")
+
+
+def test_a_submodule_with_an_unregistered_tensor_alone():
+    ref = build_eagerly(IntoBuffers)
+    model = build_empty(IntoBuffers)
+    assert metamode.is_materializable(model.after)
+    metamode.materialize(model.after)
+    assert torch.equal(model.after.weight, ref.after.weight)
+    materialize_exactly(model, ref)
