@@ -1269,6 +1269,172 @@ def _torch_branch_on_is_cpu(m: nn.Module) -> None:
             m.fc.weight.mul_(2.0)
 
 
+def _lsuv_one_step(m: nn.Module) -> None:
+    """LSUV-style data-dependent rescale: ``w.data /= layer(noise).std()``."""
+    m.fc = nn.Linear(4, 4)
+    with torch.no_grad():
+        m.fc.weight.data /= m.fc(torch.randn(16, 4)).std()
+
+
+def _performer_orthogonal_features(m: nn.Module) -> None:
+    """Performer ``gaussian_orthogonal_random_matrix``: QR blocks scaled by row norms."""
+    nb_rows, nb_columns = 6, 4
+    blocks = []
+    for _ in range(nb_rows // nb_columns):
+        q, _ = torch.linalg.qr(torch.randn((nb_columns, nb_columns)), mode="reduced")
+        blocks.append(q.t())
+    remaining = nb_rows - (nb_rows // nb_columns) * nb_columns
+    if remaining > 0:
+        q, _ = torch.linalg.qr(torch.randn((nb_columns, nb_columns)), mode="reduced")
+        blocks.append(q.t()[:remaining])
+    final = torch.cat(blocks)
+    multiplier = torch.randn((nb_rows, nb_columns)).norm(dim=1)
+    m.register_buffer("projection_matrix", torch.diag(multiplier) @ final)
+    m.to_q = nn.Linear(4, 4)
+
+
+def _numpy_randn_from_numpy_float(m: nn.Module) -> None:
+    """Research code: ``nn.Parameter(torch.from_numpy(rng.randn(...)).float())``."""
+    rng = np.random.RandomState(1)
+    m.fc = nn.Linear(3, 3)
+    m.w = nn.Parameter(torch.from_numpy(rng.randn(3, 4)).float())
+
+
+def _torch_tensor_of_a_parameter(m: nn.Module) -> None:
+    """``torch.tensor(param)`` (a copy, with torch's warning) as a buffer."""
+    m.fc = nn.Linear(3, 3)
+    m.register_buffer("snapshot", torch.tensor(m.fc.weight))
+
+
+def _torch_unfold_buffer(m: nn.Module) -> None:
+    """An overlapping-window view (``unfold``) of a temporary, registered as a buffer."""
+    m.register_buffer("windows", torch.arange(8.0).unfold(0, 3, 1))
+    m.fc = nn.Linear(3, 3)
+
+
+def _torch_partial_view_param_unwritten(m: nn.Module) -> None:
+    """``nn.Parameter(torch.randn(3, 4)[:, :2])``: part of a temporary, never written."""
+    m.w = nn.Parameter(torch.randn(3, 4)[:, :2])
+    m.fc = nn.Linear(2, 2)
+
+
+def _torch_quantized_buffer(m: nn.Module) -> None:
+    m.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    m.fc = nn.Linear(2, 2)
+
+
+def _torchtitan_float8_cast(m: nn.Module) -> None:
+    """A float8 weight and its float32 scale (torchao / torchtitan float8 style)."""
+    w = torch.randn(4, 4)
+    scale = w.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+    m.register_buffer("scale", scale.float())
+    m.register_buffer("w8", (w / scale).to(torch.float8_e4m3fn))
+    m.fc = nn.Linear(2, 2)
+
+
+def _torch_none_buffer_assigned(m: nn.Module) -> None:
+    """``register_buffer("mask", None)`` then ``self.mask = ...`` (goes to ``_buffers``)."""
+    m.register_buffer("mask", None)
+    m.fc = nn.Linear(3, 3)
+    m.mask = torch.tril(torch.ones(3, 3))
+    m.register_parameter("extra", None)
+    m.extra = nn.Parameter(torch.randn(3))
+
+
+def _torch_parameter_list_dict(m: nn.Module) -> None:
+    m.plist = nn.ParameterList([nn.Parameter(torch.randn(2)) for _ in range(3)])
+    m.plist.append(nn.Parameter(torch.zeros(2)))
+    m.pdict = nn.ParameterDict(
+        {"a": nn.Parameter(torch.randn(3)), "b": nn.Parameter(torch.ones(1))}
+    )
+    m.pdict["c"] = nn.Parameter(torch.randn(2, 2))
+
+
+def _torch_to_cpu_inside(m: nn.Module) -> None:
+    """``SubModule(...).to(device)`` inside a constructor, device being CPU."""
+    m.rotary = nn.Linear(3, 3).to("cpu")
+    m.fc = nn.Linear(3, 3).to(torch.device("cpu"), torch.float32)
+
+
+def _diffusers_gaussian_fourier(m: nn.Module) -> None:
+    """diffusers' ``GaussianFourierProjection``: ``del self.weight``, re-registered via ``W``."""
+    from diffusers.models.embeddings import GaussianFourierProjection
+
+    m.proj = GaussianFourierProjection(embedding_size=8, scale=16.0)
+    m.fc = nn.Linear(16, 4)
+
+
+def _diffusers_rotary_pos_embed(m: nn.Module) -> None:
+    """diffusers' ``get_1d_rotary_pos_embed``, real (cos/sin, repeat_interleave) and complex."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    cos, sin = get_1d_rotary_pos_embed(8, 5, use_real=True)
+    m.register_buffer("cos", cos, persistent=False)
+    m.register_buffer("sin", sin, persistent=False)
+    m.register_buffer("cis", get_1d_rotary_pos_embed(8, 5, use_real=False), persistent=False)
+    m.fc = nn.Linear(8, 8)
+
+
+def _timm_trunc_normal_tf(m: nn.Module) -> None:
+    """timm ``trunc_normal_tf_``: uniform_, erfinv_, mul_, add_, clamp_ under no_grad."""
+    m.fc = nn.Linear(5, 4)
+    mean, std, a, b = 0.0, 0.02, -2.0, 2.0
+    tensor = m.fc.weight
+
+    def norm_cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    with torch.no_grad():
+        lower, upper = norm_cdf(a), norm_cdf(b)
+        tensor.uniform_(2 * lower - 1, 2 * upper - 1)
+        tensor.erfinv_()
+        tensor.mul_(std * math.sqrt(2.0))
+        tensor.add_(mean)
+        tensor.clamp_(min=a, max=b)
+
+
+def _timm_hybrid_embed_probe(m: nn.Module) -> None:
+    """timm ``HybridEmbed``: the backbone's feature size probed in eval mode, mode restored."""
+    m.backbone = nn.Sequential(nn.Conv2d(3, 4, 3, 2), nn.BatchNorm2d(4), nn.ReLU())
+    with torch.no_grad():
+        training = m.backbone.training
+        if training:
+            m.backbone.eval()
+        o = m.backbone(torch.zeros(1, 3, 7, 7))
+        feature_size = o.shape[-2:]
+        feature_dim = o.shape[1]
+        m.backbone.train(training)
+    m.proj = nn.Conv2d(feature_dim, 8, 1)
+    m.register_buffer("grid", torch.tensor(list(feature_size)), persistent=False)
+
+
+def _hf_wav2vec_pos_conv(m: nn.Module) -> None:
+    """Wav2Vec2 positional conv: weight_norm(dim=2), then ``_init_weights`` draws into the
+    computed weight (a no-op on the parameters that still moves the stream)."""
+    conv = nn.Conv1d(4, 4, kernel_size=3, padding=1, groups=2)
+    m.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+    k = m.conv.kernel_size[0] * m.conv.in_channels
+    nn.init.normal_(m.conv.weight, mean=0, std=2 * math.sqrt(1 / k))
+    nn.init.constant_(m.conv.bias, 0)
+    m.after = nn.Linear(4, 4)
+
+
+def _torch_zero_size(m: nn.Module) -> None:
+    """Zero-size layers and placeholder buffers (``nn.Linear(0, 3)`` still draws its bias)."""
+    m.empty_in = nn.Linear(0, 3)
+    m.empty_out = nn.Linear(3, 0)
+    m.register_buffer("placeholder", torch.empty(0))
+    m.after = nn.Linear(3, 3)
+
+
+def _torch_odd_dtypes_and_flags(m: nn.Module) -> None:
+    """float64 and complex64 Linear layers, an integer Parameter, a buffer that requires grad."""
+    m.f64 = nn.Linear(3, 3, dtype=torch.float64)
+    m.c64 = nn.Linear(3, 3, dtype=torch.complex64)
+    m.idx = nn.Parameter(torch.arange(4), requires_grad=False)
+    m.register_buffer("tracked", torch.randn(3, requires_grad=True))
+
+
 TORCH = {
     "torch weight_norm then init original1": _torch_weight_norm_then_init,
     "torch parametrizations.orthogonal": _torch_orthogonal_parametrization,
@@ -1334,6 +1500,24 @@ TORCH = {
     "torch tie if data_ptr() equal": _torch_dedupe_by_data_ptr,
     "torch branch on device.type == 'cpu'": _torch_branch_on_device_type,
     "torch branch on is_cpu": _torch_branch_on_is_cpu,
+    "LSUV one-step rescale by a forward's std": _lsuv_one_step,
+    "Performer orthogonal random features": _performer_orthogonal_features,
+    "numpy RandomState from_numpy().float()": _numpy_randn_from_numpy_float,
+    "torch.tensor(param) copy": _torch_tensor_of_a_parameter,
+    "torch unfold view buffer": _torch_unfold_buffer,
+    "torch Parameter(randn(3, 4)[:, :2]) unwritten": _torch_partial_view_param_unwritten,
+    "torch quantize_per_tensor buffer": _torch_quantized_buffer,
+    "torchtitan float8_e4m3fn cast": _torchtitan_float8_cast,
+    "torch None buffer/parameter then assigned": _torch_none_buffer_assigned,
+    "torch ParameterList / ParameterDict": _torch_parameter_list_dict,
+    "torch .to('cpu') inside": _torch_to_cpu_inside,
+    "diffusers GaussianFourierProjection del/re-register (library)": _diffusers_gaussian_fourier,
+    "diffusers get_1d_rotary_pos_embed (library)": _diffusers_rotary_pos_embed,
+    "timm trunc_normal_tf_ erfinv_": _timm_trunc_normal_tf,
+    "timm HybridEmbed eval-mode probe": _timm_hybrid_embed_probe,
+    "transformers wav2vec2 pos conv weight_norm dim=2": _hf_wav2vec_pos_conv,
+    "torch zero-size layers and buffers": _torch_zero_size,
+    "torch float64/complex64/int params, grad buffer": _torch_odd_dtypes_and_flags,
 }
 
 
@@ -1503,6 +1687,34 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         )
         for mode in MODES
     },
+    "LSUV one-step rescale by a forward's std": {False: _broken(_MIXED_FORWARD)},
+    "numpy RandomState from_numpy().float()": {
+        False: _broken(_WRONG_GONE, _NUMPY),
+        True: _broken(_WRONG_GONE, _NUMPY),
+    },
+    "torch Parameter(randn(3, 4)[:, :2]) unwritten": {
+        False: _broken(
+            "silently wrong: the parameter comes back contiguous, strides (2, 1) where eager's "
+            "view of the (3, 4) temporary has (4, 1)",
+            r"view",
+        )
+    },
+    "torch quantize_per_tensor buffer": {
+        True: _broken(
+            "late refusal: the build's meta buffer is float32 where eager's is qint8; "
+            "is_materializable() says True, then ReplayError 'replayed torch.qint8[4] where "
+            "the build made torch.float32[4]'",
+            r"quantiz",
+        )
+    },
+    "torch .to('cpu') inside": {
+        mode: _broken(
+            "crash: `.to('cpu')` of a meta module inside the build raises 'Cannot copy out of "
+            "meta tensor; no data!'"
+        )
+        for mode in MODES
+    },
+    "timm HybridEmbed eval-mode probe": {False: _broken(_MIXED_FORWARD)},
 }
 
 
@@ -1560,24 +1772,41 @@ def test_attributes_set_on_buffers_survive_materialize(include_buffers):
     assert getattr(model.buf, "tag", None) == "kept"
 
 
-# -- PEFT's own base-weight inits -------------------------------------------------------------
+# -- PEFT's own inits, on a base built in the same block ----------------------------------------
 
 
 class _PeftBase(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.emb = nn.Embedding(10, 16)
         self.q = nn.Linear(16, 16)
         self.v = nn.Linear(16, 16)
         self.o = nn.Linear(16, 4)
 
 
+PEFT_CONFIGS = {
+    "pissa (SVD of the base, base rewritten)": ("LoraConfig", {"init_lora_weights": "pissa"}),
+    "pissa_niter_2 (svd_lowrank draws)": ("LoraConfig", {"init_lora_weights": "pissa_niter_2"}),
+    "olora (QR of the base)": ("LoraConfig", {"init_lora_weights": "olora"}),
+    "modules_to_save (a deepcopy of o)": ("LoraConfig", {"modules_to_save": ["o"]}),
+    "trainable_token_indices": ("LoraConfig", {"trainable_token_indices": {"emb": [0, 3]}}),
+    "LoRA on an Embedding": ("LoraConfig", {"target_modules": ["emb", "q"]}),
+    "rslora gaussian": ("LoraConfig", {"use_rslora": True, "init_lora_weights": "gaussian"}),
+    "IA3": ("IA3Config", {"target_modules": ["q", "o"], "feedforward_modules": ["o"]}),
+}
+
+
 @pytest.mark.parametrize("include_buffers", MODES)
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
-def test_peft_inits_that_rewrite_the_base_weight(init, include_buffers):
+@pytest.mark.parametrize("name", sorted(PEFT_CONFIGS))
+def test_peft_inits_on_a_base_built_in_the_same_block(name, include_buffers):
     import peft
 
+    kind, kwargs = PEFT_CONFIGS[name]
+
     def config():
-        return peft.LoraConfig(r=4, target_modules=["q", "v"], init_lora_weights=init)
+        if kind == "IA3Config":
+            return peft.IA3Config(**kwargs)
+        return peft.LoraConfig(**{"r": 4, "target_modules": ["q", "v"], **kwargs})
 
     with metamode.enabled("peft"):
         torch.manual_seed(0)
