@@ -1435,6 +1435,36 @@ def _torch_odd_dtypes_and_flags(m: nn.Module) -> None:
     m.register_buffer("tracked", torch.randn(3, requires_grad=True))
 
 
+def _torch_pickle_round_trip(m: nn.Module) -> None:
+    """A module cloned by ``torch.save`` / ``torch.load`` through memory."""
+    import io
+
+    layer = nn.Linear(3, 3)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    m.a = layer
+    m.b = torch.load(buffer, weights_only=False)
+
+
+def _torch_load_state_dict_assign(m: nn.Module) -> None:
+    """``target.load_state_dict(online.state_dict(), assign=True)`` inside the build."""
+    m.online = nn.Linear(4, 4)
+    m.target = nn.Linear(4, 4)
+    m.target.load_state_dict(
+        {k: v.detach().clone() for k, v in m.online.state_dict().items()}, assign=True
+    )
+
+
+def _torch_copy_params_by_zip(m: nn.Module) -> None:
+    """A target network synced by ``for p, q in zip(...): q.data.copy_(p.data)`` (DQN, BYOL)."""
+    m.online = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    m.target = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for p, q in zip(m.online.parameters(), m.target.parameters(), strict=True):
+        q.data.copy_(p.data)
+        q.requires_grad = False
+
+
 TORCH = {
     "torch weight_norm then init original1": _torch_weight_norm_then_init,
     "torch parametrizations.orthogonal": _torch_orthogonal_parametrization,
@@ -1518,6 +1548,9 @@ TORCH = {
     "transformers wav2vec2 pos conv weight_norm dim=2": _hf_wav2vec_pos_conv,
     "torch zero-size layers and buffers": _torch_zero_size,
     "torch float64/complex64/int params, grad buffer": _torch_odd_dtypes_and_flags,
+    "torch save/load round trip of a layer": _torch_pickle_round_trip,
+    "torch load_state_dict(..., assign=True) inside": _torch_load_state_dict_assign,
+    "torch target net synced by data.copy_": _torch_copy_params_by_zip,
 }
 
 
@@ -1715,6 +1748,18 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         for mode in MODES
     },
     "timm HybridEmbed eval-mode probe": {False: _broken(_MIXED_FORWARD)},
+    "torch save/load round trip of a layer": {
+        mode: _broken(
+            "silently wrong: torch.load rebuilds the meta tensors from metadata alone "
+            "(an empty_strided in the recording), so the copy materializes to other values than "
+            "eager's copy of the layer",
+            r"__reduce_ex__|pickle|serializ|torch\.load",
+        )
+        for mode in MODES
+    },
+    "torch load_state_dict(..., assign=True) inside": {
+        mode: Outcome(REFUSED, r"_load_from_state_dict read \.is_meta") for mode in MODES
+    },
 }
 
 
