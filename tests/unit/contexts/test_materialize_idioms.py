@@ -1809,8 +1809,20 @@ def test_library_init_idioms_are_exact_or_refused_upfront(idiom, include_buffers
         assert_refused(model, because=outcome.because)
 
 
-def test_the_pass_tries_sixty_idioms_or_more():
-    assert len(IDIOMS) >= 60
+@pytest.mark.xfail(
+    strict=True,
+    reason="is_materializable of deep copies made in the build flips from True to False when "
+    "the unregistered template they were copied from is garbage-collected after the block",
+)
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_deep_copies_do_not_depend_on_their_template_staying_alive(include_buffers):
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        template = nn.Linear(4, 4)
+        model = nn.ModuleList([copy.deepcopy(template) for _ in range(2)])
+    before = metamode.is_materializable(model)
+    del template
+    assert metamode.is_materializable(model) == before
 
 
 # -- Python attributes set on the tensors -----------------------------------------------------
