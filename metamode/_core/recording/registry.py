@@ -53,7 +53,9 @@ def add(
     return found
 
 
-def _drop(table: dict, key: int, ref: weakref.ref) -> None:
+def _drop(table: dict | None, key: int, ref: weakref.ref) -> None:
+    if table is None or _LOCK is None:  # interpreter shutdown: the module's globals are gone
+        return
     with _LOCK:
         held = table.get(key)
         if held is not None and held[0] is ref:

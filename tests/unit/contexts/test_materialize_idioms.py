@@ -1624,17 +1624,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "timm drop-path linspace .tolist()": {
         True: _broken("crash: the build raises 'Cannot copy out of meta tensor; no data!'")
     },
-    "timm MAE numpy pos_embed data.copy_": {
-        False: _broken(_WRONG_GONE, _NUMPY),
-        True: _broken(_WRONG_GONE, _NUMPY),
-    },
-    "transformers distilbert numpy sinusoidal setitem": {
-        False: _broken(_WRONG_GONE, _NUMPY),
-        True: _broken(_WRONG_GONE, _NUMPY),
-    },
-    "transformers FloatTensor(n).normal_()": {False: _broken(_LATE), True: _broken(_LATE)},
-    "transformers wav2vec Tensor(n).uniform_()": {False: _broken(_LATE), True: _broken(_LATE)},
-    "torch Parameter(torch.Tensor(o, i)) + reset": {False: _broken(_LATE), True: _broken(_LATE)},
     "transformers resize embeddings mean init": {
         mode: _broken(
             "crash: `if (...).all():` on a value computed from a meta weight raises "
@@ -1642,7 +1631,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         )
         for mode in MODES
     },
-    "diffusers numpy 2d sincos pos_embed": {True: _broken(_WRONG_GONE, _NUMPY)},
     "torch parametrizations.orthogonal": {
         mode: _broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
         for mode in MODES
@@ -1675,25 +1663,8 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
             "not on the expected device meta!' in the build"
         )
     },
-    "torch Tensor([bool]) buffer": {True: _broken(_WRONG_GONE)},
     "torch share_memory() inside": {
         mode: _broken("crash: the build raises '_share_fd_: only available on CPU'")
-        for mode in MODES
-    },
-    "torch spectral_norm after init": {
-        mode: _broken(
-            "wrong reason: refused as 'written by code metamode did not record (with torch "
-            "functions disabled, or in a C++ extension)'",
-            _PARAMETRIZE,
-        )
-        for mode in MODES
-    },
-    "torch register_parametrization right_inverse": {
-        mode: _broken(
-            "wrong reason: refused as 'its storage or layout was changed after its "
-            "empty_weights block', inside the block",
-            _PARAMETRIZE,
-        )
         for mode in MODES
     },
     "torch BatchNorm stats from a warm-up forward": {
@@ -1733,10 +1704,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         for mode in MODES
     },
     "LSUV one-step rescale by a forward's std": {False: _broken(_MIXED_FORWARD)},
-    "numpy RandomState from_numpy().float()": {
-        False: _broken(_WRONG_GONE, _NUMPY),
-        True: _broken(_WRONG_GONE, _NUMPY),
-    },
     "torch Parameter(randn(3, 4)[:, :2]) unwritten": {
         False: _broken(
             "silently wrong: the parameter comes back contiguous, strides (2, 1) where eager's "
