@@ -355,6 +355,21 @@ _RACES = {
 }
 
 
+def _race_row(title: str, setting: str, result: dict[str, Any]) -> str:
+    rounds = result["rounds"]
+    seen = ", ".join(
+        f"{dtype.removeprefix('torch.')} {count}"
+        for dtype, count in sorted(result["bystander_linear_dtypes"].items())
+    )
+    return (
+        f"{title} | {setting} | wrong dtype {result['wrong_dtype_rounds']}/{rounds} | "
+        f"wrong {result['wrong_rounds']}/{rounds} | errors {result['errors']} | "
+        f"default after {result['default_dtype_after'].removeprefix('torch.')} | "
+        f"torch functions replaced {result['init_functions_replaced']} | "
+        f"bystander nn.Linear: {seen}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m metamode dtype-loads",
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                         [*common, "--setting", setting, "--kind", "race", "--pairs", pairs,
                          "--rounds", str(args.rounds)]
                     )  # fmt: skip
-                    print(f"{title}, {setting}: {json.dumps(result)}")
+                    print(_race_row(title, setting, result))
             return 0
         for model in [m for m in args.models.split(",") if m in paths]:
             for pairs in ("float16,float32", "float16,float16"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -134,12 +133,10 @@ def test_doctor_import_through_the_cli(tmp_path):
     assert "left by: patches_on_import.register_parameter" in dirty.stdout
 
 
-def test_dtype_loads_prints_a_line_per_race_with_no_wrong_round():
+def test_dtype_loads_prints_a_row_per_race_with_no_wrong_round():
     done = _metamode("dtype-loads", "--rounds", "1", "--settings", "metamode", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if ", metamode: {" in line]
-    assert len(lines) == 4, done.stdout
-    for line in lines:
-        result = json.loads(line.split(": ", 1)[1])
-        assert (result["wrong_rounds"], result["errors"]) == (0, 0), line
-        assert result["default_dtype_after"] == "torch.float32"
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if " | metamode | " in line]
+    assert len(rows) == 4, done.stdout
+    for row in rows:
+        assert row[2:6] == ["wrong dtype 0/1", "wrong 0/1", "errors 0", "default after float32"]
