@@ -531,7 +531,11 @@ def test_transformers_linspace_context_is_thread_scoped():
         assert metamode.enable_for_transformers() == (
             "transformers.initialization.meta_device_safe_creation_ops",
             "transformers.initialization.no_tie_weights",
+            "transformers.modeling_utils.PreTrainedModel._from_config",
+            "transformers.modeling_utils.PreTrainedModel.initialize_weights",
+            "transformers.modeling_utils._get_dtype",
             "transformers.modeling_utils.get_torch_context_manager_or_global_device",
+            "transformers.modeling_utils.local_torch_dtype",
         )
         linspace = torch.linspace
         inside, other = threading.Event(), threading.Event()
