@@ -6,16 +6,18 @@ window (:mod:`metamode._core.dtype_windows`), plus the accelerate shim for its
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from metamode._core import dtype_windows
 from metamode.integrations import accelerate as _accelerate
+from metamode.integrations._dtype_windows import (
+    closing_windows,
+    requested_dtype,
+    set_default_in_a_window,
+)
 from metamode.integrations._exact_skip import SkipLibraryInit, library_init_names
 from metamode.integrations._rebind import (
     _LOCK,
@@ -47,39 +49,16 @@ def _dtype_window_methods(originals: Mapping[str, Any]) -> dict[str, Any]:
     """``ModelMixin``'s ``_set_default_torch_dtype`` and ``from_pretrained``, with the
     process default dtype set in a dtype window (:mod:`metamode._core.dtype_windows`) that
     ``from_pretrained`` closes when it returns or raises. A load given no dtype it can set
-    builds in the process default: it runs in a window of the default a lone load sees."""
-    load = originals["from_pretrained"].__func__
-    stock_set = originals["_set_default_torch_dtype"].__func__
-
-    def _set_default_torch_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
-        if not dtype_windows.inside_closing_call():  # a load that began before enable()
-            return stock_set(cls, dtype)
-        if not dtype.is_floating_point:
-            raise ValueError(
-                f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
-                f"a floating point dtype"
-            )
-        sys.modules[_DIFFUSERS.home_module].logger.info(
-            f"Instantiating {cls.__name__} model under default dtype {dtype}."
-        )
-        dtype_windows.open_window(dtype)
-        # What from_pretrained "restores" after building: this window's own dtype.
-        return dtype
-
-    @functools.wraps(load)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with dtype_windows.closing_call():
-            requested = kwargs.get("dtype")
-            if requested is None:
-                requested = kwargs.get("torch_dtype")
-            if not dtype_windows.settable(requested):
-                # Built in the process default (no dtype, float8): the one a lone load sees.
-                dtype_windows.open_window(dtype_windows.default_for_this_thread())
-            return load(cls, *args, **kwargs)
-
+    (none, or float8) builds in the process default: it runs in a window of the default a
+    lone load sees."""
     return {
-        "_set_default_torch_dtype": classmethod(_set_default_torch_dtype),
-        "from_pretrained": classmethod(from_pretrained),
+        "_set_default_torch_dtype": set_default_in_a_window(
+            originals["_set_default_torch_dtype"].__func__, _DIFFUSERS.home_module
+        ),
+        "from_pretrained": closing_windows(
+            originals["from_pretrained"].__func__,
+            lambda *args, **kwargs: not dtype_windows.settable(requested_dtype(**kwargs)),
+        ),
     }
 
 

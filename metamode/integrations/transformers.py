@@ -21,7 +21,7 @@ import importlib.util
 import inspect
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
@@ -41,6 +41,11 @@ from metamode._core.modes import (
     KeepRegistered,
     ThreadScopedMode,
     active_empty_weights,
+)
+from metamode.integrations._dtype_windows import (
+    closing_windows,
+    requested_dtype,
+    set_default_in_a_window,
 )
 from metamode.integrations._exact_skip import (
     GuardLoadedTensors,
@@ -388,50 +393,19 @@ def _dtype_window_methods_4(originals: Mapping[str, Any]) -> dict[str, Any]:
     or raise (instead of ``@restore_default_dtype``'s capture and restore). A call given no
     dtype builds in the process default: it runs in a window of the default a lone load
     sees."""
-
-    stock_set = originals["_set_default_dtype"].__func__
-
-    def _set_default_dtype(cls: type, dtype: torch.dtype) -> torch.dtype:
-        if not dtype_windows.inside_closing_call():  # a load that began before enable()
-            return stock_set(cls, dtype)
-        if not dtype.is_floating_point:
-            raise ValueError(
-                f"Can't instantiate {cls.__name__} model under dtype={dtype} since it is not "
-                f"a floating point dtype"
-            )
-        sys.modules[_MODELING_UTILS].logger.info(
-            f"Instantiating {cls.__name__} model under default dtype {dtype}."
-        )
-        dtype_windows.open_window(dtype)
-        # What the caller "restores" after building: this window's own dtype.
-        return dtype
-
-    def closing_windows(raw: FunctionType, requested: Callable[..., Any]) -> classmethod:
-        @functools.wraps(raw)
-        def method(cls: type, *args: Any, **kwargs: Any) -> Any:
-            with dtype_windows.closing_call():
-                if requested(*args, **kwargs) is None:
-                    # Built in the process default: the one a lone load sees.
-                    dtype_windows.open_window(dtype_windows.default_for_this_thread())
-                return raw(cls, *args, **kwargs)
-
-        return classmethod(method)
-
     return {
-        "_set_default_dtype": classmethod(_set_default_dtype),
+        "_set_default_dtype": set_default_in_a_window(
+            originals["_set_default_dtype"].__func__, _MODELING_UTILS
+        ),
         "from_pretrained": closing_windows(
-            _without_restore(originals["from_pretrained"], "from_pretrained"), _requested_dtype
+            _without_restore(originals["from_pretrained"], "from_pretrained"),
+            lambda *args, **kwargs: requested_dtype(**kwargs) is None,
         ),
         "_from_config": closing_windows(
-            _without_restore(originals["_from_config"], "_from_config"), _requested_config_dtype
+            _without_restore(originals["_from_config"], "_from_config"),
+            lambda *args, **kwargs: _requested_config_dtype(*args, **kwargs) is None,
         ),
     }
-
-
-def _requested_dtype(*args: Any, **kwargs: Any) -> Any:
-    """The dtype a ``from_pretrained`` call asks for (``dtype=``, else ``torch_dtype=``)."""
-    dtype = kwargs.get("dtype")
-    return dtype if dtype is not None else kwargs.get("torch_dtype")
 
 
 def _requested_config_dtype(config: Any = None, **kwargs: Any) -> Any:
