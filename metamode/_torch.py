@@ -32,6 +32,15 @@ private name                                     public alternative
 ``torch.nn.parameter.UninitializedTensorMixin``  ``torch.nn.parameter.is_lazy`` (tensors only)
 ``Tensor._use_count``                            none: what ``swap_tensors`` checks (materialize
                                                  checks it first, to refuse before installing)
+``torch._neg_view``                              none: ``x.conj().imag`` makes one, from a
+                                                 complex tensor only
+``torch._C._dispatch_tls_local_include_set`` /   none: ``torch.is_autocast_enabled(device)``
+``_exclude_set``, ``DispatchKey``,               and ``torch.is_inference_mode_enabled()``
+``DispatchKeySet``                               read parts of them
+``torch._C._dispatch_has_kernel_for_``         none: whether an op has a kernel of its own
+``dispatch_key``                                 for a key (autocast's casting ops)
+``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
+                                                 device type, which sets parts of them
 ===============================================  ==========================================
 
 Used in place, where the object is at hand (hot paths, or one call site), and
@@ -65,7 +74,13 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils._device import DeviceContext, _device_constructors
 
 __all__ = [
+    "DispatchKey",
+    "DispatchKeySet",
     "all_registration_hooks",
+    "dispatch_keys",
+    "force_dispatch_keys",
+    "has_kernel_for",
+    "neg_view",
     "DeviceContext",
     "DisableTorchFunction",
     "VariableFunctions",
@@ -88,6 +103,11 @@ __all__ = [
     "use_count",
 ]
 
+DispatchKey: Any = torch._C.DispatchKey
+DispatchKeySet: Any = torch._C.DispatchKeySet
+force_dispatch_keys: Any = torch._C._ForceDispatchKeyGuard
+has_kernel_for: Callable[[str, Any], bool] = torch._C._dispatch_has_kernel_for_dispatch_key
+neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view
 push_mode = _push_mode
 pop_mode = _pop_mode
 mode_stack_depth = _len_torch_function_stack
@@ -102,6 +122,12 @@ CURRENT_DEVICE_NAME = "torch.utils._device.CURRENT_DEVICE"
 VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"
 
 _HOOK_KINDS = ("parameter", "buffer", "module")
+
+
+def dispatch_keys() -> tuple[Any, Any]:
+    """The dispatch keys this thread adds to (include set) and removes from (exclude set)
+    every call: autocast, inference mode, dispatch modes and functorch live there."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
 
 
 def registration_hooks(kind: str) -> dict[Any, Any]:

@@ -89,7 +89,7 @@ def _find_entries(slots: list[_Slot]) -> None:
         if slot.entry is not None:
             programs[slot.entry.program.serial] = slot.entry.program
     for slot in slots:
-        if slot.entry is None and slot.tensor.is_meta:
+        if slot.entry is None and slot.tensor.is_meta and slot.tensor.layout is torch.strided:
             # made without registration (copy.deepcopy of a built module, a cast by
             # Module._apply): known by its storage to a program, first those that
             # recorded this module's other tensors
@@ -105,6 +105,8 @@ def _find_entries(slots: list[_Slot]) -> None:
                         tuple(tensor.shape),
                         tensor.stride(),
                         int(tensor.storage_offset()),
+                        tensor.is_conj(),
+                        tensor.is_neg(),
                     )
                     slot.entry = Entry(program, ref, _version(tensor))
                     break
@@ -121,14 +123,15 @@ def _changed(slot: _Slot) -> str | None:
             f"as {str(ref.dtype).removeprefix('torch.')}{list(ref.size)}); materialize "
             f"first, then cast or reshape"
         )
-    if _is_dtensor(tensor):
-        return None
+    if _is_dtensor(tensor) or tensor.layout is not torch.strided:
+        return None  # a layout without storage: the recording refuses it
     known = entry.program.live.get(tensor.untyped_storage()._cdata)
     if (
         known is None
         or known[0] != ref.storage
         or tensor.stride() != ref.stride
         or tensor.storage_offset() != ref.offset
+        or (tensor.is_conj(), tensor.is_neg()) != (ref.conj, ref.neg)
     ):
         return "its storage or layout was changed after its empty_weights block"
     if _version(tensor) != entry.version:
@@ -343,8 +346,11 @@ class _Installer:
             if value is not None:  # eager's layout of this very result
                 value = value.to(self.device)
             else:
-                value = torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-                    storage, ref.offset, ref.size, ref.stride
+                value = recording.with_bits(
+                    torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+                        storage, ref.offset, ref.size, ref.stride
+                    ),
+                    ref,
                 )
             installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})

@@ -12,6 +12,7 @@ copied, devices mapped to the CPU replay computes on).
 from __future__ import annotations
 
 import array
+import functools
 import inspect
 import sys
 import weakref
@@ -32,7 +33,7 @@ from metamode._core.facts import (
     stand_in_for,
     stand_in_rule,
 )
-from metamode._core.recording import registry
+from metamode._core.recording import registry, thread_state
 from metamode._core.recording.program import (
     _SEQUENCE,
     Call,
@@ -49,7 +50,7 @@ from metamode._core.recording.program import (
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
-from metamode._torch import pop_mode, push_mode
+from metamode._torch import neg_view, pop_mode, push_mode
 
 __all__ = ["GENERATOR", "Recorder"]
 
@@ -180,6 +181,8 @@ class Recorder:
                     self._unseen_write(ref)
                 self._tensors[key] = (seen[0], ref, version, self._epochs[ref.storage])
             return ref
+        if tensor.layout is not torch.strided:
+            return self._unstrided(tensor, creating_call)
         storage = tensor.untyped_storage()
         known = self._storages.get(storage._cdata)
         if known is not None and not known[1].expired():
@@ -190,12 +193,39 @@ class Recorder:
             origin = Origin.UNKNOWN if tensor.is_meta else Origin.OUTSIDE
             index = self._new_storage(tensor, origin, None)
         offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic
-        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), tensor.stride(), offset)
+        ref = TensorRef(
+            index,
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+            offset,
+            tensor.is_conj(),
+            tensor.is_neg(),
+        )
         try:
             version = tensor._version
         except RuntimeError:
             version = -1
         self._tensors[key] = (weakref.ref(tensor), ref, version, self._epochs[index])
+        return ref
+
+    def _unstrided(self, tensor: torch.Tensor, creating_call: int | None) -> TensorRef:
+        """A tensor with no strided storage (sparse, MKL-DNN...): a storage of its own,
+        whose value is refused."""
+        index = len(self.program.storages)
+        origin = Origin.CREATED if creating_call is not None else Origin.UNKNOWN
+        if creating_call is None and not tensor.is_meta:
+            origin = Origin.OUTSIDE
+        storage = Storage(origin, "meta" if tensor.is_meta else tensor.device.type, 0)
+        storage.call = creating_call
+        storage.pinned = (
+            f"it has layout {tensor.layout}: metamode records strided tensors only; "
+            f"register it dense (.to_dense()) or make it after materialize"
+        )
+        self.program.storages.append(storage)
+        self._epochs.append(0)
+        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), (), 0)
+        self._tensors[id(tensor)] = (weakref.ref(tensor), ref, _version(tensor), 0)
         return ref
 
     def _unseen_write(self, ref: TensorRef) -> None:
@@ -456,6 +486,8 @@ class Recorder:
         seen = self._tensors.get(id(tensor))
         if seen is not None and seen[0]() is tensor:
             return True
+        if tensor.layout is not torch.strided:
+            return False
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return known is not None and not known[1].expired()
 
@@ -501,6 +533,14 @@ class Recorder:
         program = self.program
         index = len(program.calls)
         storages = program.storages
+        state = thread_state.current()
+        if state is not None:  # autocast, inference mode...: replayed under it, or refused
+            call.state = state
+            call.refused = call.refused or state.refused
+            if call.creates and state.autocast:
+                call.refused = call.refused or thread_state.autocast_on_meta(
+                    state, call.func, tensors
+                )
         off = False
         for read in call.reads:
             if storages[read].off:
@@ -661,10 +701,21 @@ class Recorder:
         if ref.storage in self._views:  # the larger tensor a view was cut from, again
             self._apart(ref.storage)
         target = original
-        if placed is not None:
+        if placed is not None and original.layout is not torch.strided:
             target = placed
-            geometry = (tuple(placed.shape), placed.stride(), placed.storage_offset())
-            if geometry == (ref.size, ref.stride, ref.offset) and placed.dtype == ref.dtype:
+        elif placed is not None:
+            target = placed
+            geometry = (
+                tuple(placed.shape),
+                placed.stride(),
+                placed.storage_offset(),
+                placed.is_conj(),
+                placed.is_neg(),
+            )
+            if (
+                geometry == (ref.size, ref.stride, ref.offset, ref.conj, ref.neg)
+                and placed.dtype == ref.dtype
+            ):
                 # eager construction keeps one tensor: the twin *is* the original
                 storage = placed.untyped_storage()
                 self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
@@ -679,6 +730,13 @@ class Recorder:
                 # a later write through either, or another registration of the larger
                 # one, would not reach the other as in eager
                 twin = self._copy(original, placed).storage
+                if placed.stride() != ref.stride:
+                    self.program.storages[twin].pinned = (
+                        f"it was registered with strides {ref.stride} (a stride-0 or "
+                        f"strided view: nn.Parameter(t.expand(...)), t[:, ::2]), which its "
+                        f"empty twin does not keep; register a tensor of its own "
+                        f"(.contiguous() or .clone())"
+                    )
                 self._views.setdefault(ref.storage, set()).add(twin)
                 self._views.setdefault(twin, set()).add(ref.storage)
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
@@ -708,7 +766,7 @@ class Recorder:
         self.program.calls.append(
             Call(
                 _copy_as,
-                (source, made.size, made.stride),
+                (source, made.size, made.stride, made.conj, made.neg),
                 {},
                 reads=(source.storage,),
                 writes=(),
@@ -785,9 +843,15 @@ def _unseen_write(tensor: torch.Tensor) -> None:
     raise RuntimeError("an unseen write cannot be replayed")
 
 
-def _copy_as(source: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:
-    """A copy of ``source`` with the given geometry (a registered tensor's moved twin)."""
-    return torch.empty_strided(size, stride, dtype=source.dtype).copy_(source)
+def _copy_as(
+    source: torch.Tensor, size: tuple, stride: tuple, conj: bool = False, neg: bool = False
+) -> torch.Tensor:
+    """A copy of ``source`` with the given geometry and conjugate and negative bits (a
+    registered tensor's moved twin)."""
+    copy = torch.empty_strided(size, stride, dtype=source.dtype)
+    if neg:
+        copy = neg_view(copy)
+    return (copy.conj() if conj else copy).copy_(source)
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -832,13 +896,23 @@ def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
 def _default_dtype_use(
     fact: Fact, kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
 ) -> torch.dtype | None:
-    """The default dtype, if it decided a result's dtype (an integer input promoted)."""
+    """The default dtype, if it decided a result's dtype (an integer input promoted, to
+    the default or, by a complex scalar, to its complex counterpart)."""
     if fact.factory or "dtype" in kwargs or not made:
         return None
     default = torch.get_default_dtype()
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
         return None
-    return default if any(t.dtype == default for t in made) else None
+    counterpart = _complex_counterpart(default)
+    return default if any(t.dtype in (default, counterpart) for t in made) else None
+
+
+@functools.cache
+def _complex_counterpart(dtype: torch.dtype) -> torch.dtype:
+    """What an integer tensor times a complex scalar gives under default dtype ``dtype``."""
+    return (
+        torch.promote_types(dtype, torch.complex64) if dtype != torch.float16 else torch.complex32
+    )
 
 
 def _is_ours(frame: FrameType) -> bool:
