@@ -39,6 +39,8 @@ private name                                     public alternative
 ``DispatchKeySet``                               read parts of them
 ``torch._C._dispatch_has_kernel_for_``         none: whether an op has a kernel of its own
 ``dispatch_key``                                 for a key (autocast's casting ops)
+``torch.UntypedStorage._new_with_weak_ptr``     none: a storage from torch's weak reference
+                                                 (``StorageWeakRef``) to it, while it lives
 ``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
                                                  device type, which sets parts of them
 ===============================================  ==========================================
@@ -51,8 +53,10 @@ run the hooks again), ``Module._load_from_state_dict`` (the hook's
 ``load_state_dict(assign=True)`` warning), ``RNNBase._flat_weight_refs`` /
 ``_init_flat_weights`` and FSDP2's ``_get_fsdp_state()`` (materialize),
 ``untyped_storage()._cdata`` (the recorder's storage identity; public:
-``data_ptr()``, which is 0 on meta), ``torch.multiprocessing.reductions.StorageWeakRef``
-(keeps a recorded storage's address from reuse).
+``data_ptr()``, which is 0 on meta), ``Tensor._cdata`` (a tensor's implementation,
+which ``swap_tensors`` exchanges; ``recording/held.py``; public: none),
+``torch.multiprocessing.reductions.StorageWeakRef`` (keeps a recorded storage's address
+from reuse).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ __all__ = [
     "pop_mode",
     "push_mode",
     "registration_hooks",
+    "storage_of",
     "set_global_device_context",
     "use_count",
 ]
@@ -128,6 +133,11 @@ def dispatch_keys() -> tuple[Any, Any]:
     """The dispatch keys this thread adds to (include set) and removes from (exclude set)
     every call: autocast, inference mode, dispatch modes and functorch live there."""
     return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def storage_of(ref: Any) -> torch.UntypedStorage | None:
+    """The storage ``ref`` (a ``StorageWeakRef``) refers to, or None if it is gone."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
 def registration_hooks(kind: str) -> dict[Any, Any]:

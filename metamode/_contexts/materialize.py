@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from metamode import _torch
 from metamode._core import recording
@@ -26,7 +27,7 @@ __all__ = [
 _CPU = torch.device("cpu")
 # program -> {storage index: a tensor materialize installed there}: a later materialize
 # of another tensor of that storage shares it, as eager construction's tensors do
-_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, tuple[weakref.ref, int]]] = (
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, StorageWeakRef]] = (
     weakref.WeakKeyDictionary()
 )
 # meta buffer -> the buffer materialize put in its place (a module outside the one
@@ -49,7 +50,7 @@ class _Slot:
     entry: Entry | None = None
     reason: str | None = None  # why it is refused
     wanted: bool = False
-    shares: torch.Tensor | None = None  # an earlier materialize's tensor in its storage
+    shares: torch.UntypedStorage | None = None  # the memory an earlier materialize gave it
 
     @property
     def key(self) -> Key:
@@ -150,7 +151,14 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     for slot in slots:
         entry, tensor = slot.entry, slot.tensor
         if entry is None:
-            if tensor.is_meta:
+            if tensor.is_meta and any(recording.home(h, n) for h, n in slot.homes):
+                slot.reason = (
+                    "it is not the tensor its empty_weights block registered there: it was "
+                    "replaced after the block (a cast under torch.__future__."
+                    "set_swap_module_params_on_conversion(True) swaps in another tensor, "
+                    "or an assignment); materialize first, then cast"
+                )
+            elif tensor.is_meta:
                 slot.reason = (
                     "it was not registered inside a metamode.empty_weights(replayable=True) "
                     "context (built under torch.device('meta') or a non-replayable context, "
@@ -175,13 +183,15 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     for slot in slots:
         if slot.wanted:
             earlier = _INSTALLED.get(slot.entry.program, {}).get(slot.entry.ref.storage)  # type: ignore[union-attr]
-            shares = earlier[0]() if earlier is not None else None
-            if shares is not None and shares.untyped_storage()._cdata != earlier[1]:  # type: ignore[index]
+            if earlier is None:
+                continue
+            shares = _torch.storage_of(earlier)
+            if shares is None:
                 slot.reason, slot.wanted = (
                     (
                         "it shares memory with a tensor an earlier materialize gave its eager "
-                        "value, and that tensor was given other memory since (a cast, .data =); "
-                        "materialize both together, or before changing it"
+                        "value, and that memory is gone since (a cast, .data =, or the tensor "
+                        "was freed); materialize both together, or before changing it"
                     ),
                     False,
                 )
@@ -304,7 +314,7 @@ def materialize(
                     if replaced is not None and slot.kind == "buffer":
                         install.buffer(slot, replaced)
                     else:
-                        install.storage([slot], slot.shares.untyped_storage(), {})
+                        install.storage([slot], slot.shares, {})
             if plan is not None:
                 by_key: dict[Key, list[_Slot]] = {}
                 for slot in slots:
@@ -354,7 +364,8 @@ class _Installer:
                 )
             installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
-            shared[ref.storage] = (weakref.ref(installed), installed.untyped_storage()._cdata)
+            # the memory, weakly: a weak reference to the tensor would stop swap_tensors
+            shared[ref.storage] = StorageWeakRef(installed.untyped_storage())
             self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:

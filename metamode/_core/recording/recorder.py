@@ -34,6 +34,7 @@ from metamode._core.facts import (
     stand_in_rule,
 )
 from metamode._core.recording import registry, thread_state
+from metamode._core.recording.held import Held
 from metamode._core.recording.program import (
     _SEQUENCE,
     Call,
@@ -50,7 +51,7 @@ from metamode._core.recording.program import (
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
-from metamode._torch import neg_view, pop_mode, push_mode
+from metamode._torch import DisableTorchFunction, neg_view, pop_mode, push_mode
 
 __all__ = ["GENERATOR", "Recorder"]
 
@@ -120,11 +121,14 @@ class Recorder:
         # storage address -> (storage index, weak reference keeping the address unique)
         self._storages: dict[int, tuple[int, StorageWeakRef]] = {}
         # id(tensor) -> (weak reference, its TensorRef, its version, storage epoch then)
-        self._tensors: dict[int, tuple[weakref.ref, TensorRef, int, int]] = {}
+        # id(tensor) -> (a weak reference, or a Held meta tensor, its TensorRef, its version,
+        # storage epoch then)
+        self._tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]] = {}
         self._epochs: list[int] = []  # per storage: recorded writes so far
         self._generators: dict[int, GeneratorTrack] = {}
         self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
-        self._registered: list[tuple[weakref.ref, registry.Entry]] = []
+        # held until the context exits: a weak reference would stop swap_tensors
+        self._registered: list[tuple[torch.Tensor, registry.Entry]] = []
         self._default_track: GeneratorTrack | None = None
         # storage -> the storages registered views were cut apart from (or into)
         self._views: dict[int, set[int]] = {}
@@ -206,7 +210,7 @@ class Recorder:
             version = tensor._version
         except RuntimeError:
             version = -1
-        self._tensors[key] = (weakref.ref(tensor), ref, version, self._epochs[index])
+        self._tensors[key] = (_hold(tensor), ref, version, self._epochs[index])
         return ref
 
     def _unstrided(self, tensor: torch.Tensor, creating_call: int | None) -> TensorRef:
@@ -720,7 +724,7 @@ class Recorder:
                 storage = placed.untyped_storage()
                 self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
                 self._tensors[id(placed)] = (
-                    weakref.ref(placed),
+                    _hold(placed),
                     ref,
                     _version(placed),
                     self._epochs[ref.storage],
@@ -741,9 +745,7 @@ class Recorder:
                 self._views.setdefault(twin, set()).add(ref.storage)
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
-        self._registered.append(
-            (weakref.ref(target), registry.add(target, self.program, module, name))
-        )
+        self._registered.append((target, registry.add(target, self.program, module, name)))
 
     def _apart(self, storage: int) -> None:
         """``storage`` was written or registered again: the registered views cut from it
@@ -781,11 +783,11 @@ class Recorder:
     def close(self) -> None:
         """The owning context exited: hand the registered tensors to the registry."""
         program = self.program
-        for tensor_ref, entry in self._registered:
-            tensor = tensor_ref()
-            if tensor is not None:
-                entry.ref = self.ref(tensor)
-                entry.version = _version(tensor)
+        for tensor, entry in self._registered:
+            entry.ref = self.ref(tensor)
+            entry.version = _version(tensor)
+        self._tensors = {}  # what it held: the storages only they kept alive go now
+        self._registered = []
         program.live = {
             address: (index, keep)
             for address, (index, keep) in self._storages.items()
@@ -794,9 +796,7 @@ class Recorder:
         if program.state is ProgramState.RECORDING:
             program.state = ProgramState.CLOSED
         registry.closed(program)
-        self._tensors = {}
         self._storages = {}
-        self._registered = []
         self._generators = {}
 
     def abandon(self, why: str) -> None:
@@ -836,6 +836,14 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
             generators.append(_FOREIGN)  # a result may share the array's memory
         elif kind is slice:
             _scan((value.start, value.stop, value.step), tensors, generators)
+
+
+def _hold(tensor: torch.Tensor) -> Callable[[], Any]:
+    """What names ``tensor`` in the recording: a meta tensor is held (no memory, and no
+    weak reference for swap_tensors to refuse), a real one weakly."""
+    with DisableTorchFunction():  # metamode's own reads, not the build's
+        held = tensor.is_meta and tensor.layout is torch.strided
+    return Held(tensor) if held else weakref.ref(tensor)
 
 
 def _unseen_write(tensor: torch.Tensor) -> None:

@@ -249,3 +249,107 @@ def test_a_call_under_a_dispatch_mode_is_refused():
 def _first_randn() -> torch.Tensor:
     torch.manual_seed(0)
     return torch.randn(4, 4)
+
+
+# -- torch.__future__: swapping parameters on conversion -----------------------------------
+
+
+@pytest.fixture
+def swapping() -> Iterator[None]:
+    """``Module._apply`` (``.double()``, ``.to()``) swaps each parameter in place with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def _cast_inside(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4)
+    m.lin.double()
+
+
+def _cast_inside_and_back(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4).double()
+    m.lin.float()
+    m.conv = nn.Conv1d(2, 2, 3).to(torch.float64)
+
+
+def _cast_then_init(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4).double()
+    nn.init.normal_(m.lin.weight)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("init", [_cast_inside, _cast_inside_and_back, _cast_then_init])
+def test_a_cast_that_swaps_parameters_inside_the_build(swapping, init, include_buffers):
+    # the old code: "_apply(): Couldn't swap Linear.weight" in the build (its weak
+    # references to the parameters)
+    assert_eager_equal(lambda: Built(init), include_buffers)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_swaps_parameters_after_the_build_is_refused_by_reason(
+    swapping, include_buffers
+):
+    # the old code: "_apply(): Couldn't swap Linear.weight" after the block
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    weight = model.weight
+    model.double()
+    assert model.weight is weight and model.weight.dtype == torch.float64
+    assert_refused(model, "weight", "bias", because="materialize first, then cast")
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_swaps_parameters_after_materialize(swapping, include_buffers):
+    # the old code: "_apply(): Couldn't swap Linear.weight" after materialize (its weak
+    # reference to the installed tensor)
+    ref = build_eagerly(lambda: nn.Linear(4, 4))
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    materialize_exactly(model, ref)
+    weight = model.weight
+    model.double()
+    assert model.weight is weight
+    assert torch.equal(model.weight, ref.weight.double())
+
+
+def test_a_tie_materialized_in_two_steps_then_cast(swapping):
+    # the old code: "_apply(): Couldn't swap" (its weak reference to what it installed)
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight  # tied
+
+    ref = build_eagerly(Pair)
+    model = build_empty(Pair)
+    materialize_exactly(model.a)
+    materialize_exactly(model, ref)
+    model.double()
+    assert model.a.weight is model.b.weight
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_load_state_dict_assign_that_swaps_parameters_after_the_build(swapping, include_buffers):
+    # the old code: "Cannot swap t1 because it has weakref associated with it"
+    ref = build_eagerly(lambda: nn.Linear(4, 4))
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    weight = model.weight
+    model.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+    assert model.weight is weight and torch.equal(model.weight, ref.weight)
+    materialize_exactly(model, ref)  # nothing left on meta: nothing to do
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_overwrites_parameters_inside_the_build(include_buffers):
+    def init(m: nn.Module) -> None:
+        m.lin = nn.Linear(4, 4)
+        m.lin.double()  # a new Parameter object in _parameters, no registration hook
+
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        assert_eager_equal(lambda: Built(init), include_buffers)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
