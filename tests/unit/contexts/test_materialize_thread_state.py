@@ -353,3 +353,12 @@ def test_a_cast_that_overwrites_parameters_inside_the_build(include_buffers):
         assert_eager_equal(lambda: Built(init), include_buffers)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialize_inside_a_dispatch_mode_replays_without_it(include_buffers):
+    # the old code replayed through the caller's mode: every matmul doubled
+    ref = build_eagerly(lambda: Built(_matmul_param))
+    model = build_empty(lambda: Built(_matmul_param), include_buffers)
+    with _Doubling():
+        materialize_exactly(model, ref)
