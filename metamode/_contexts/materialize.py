@@ -25,8 +25,8 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
-# program -> {storage index: a tensor materialize installed there}: a later materialize
-# of another tensor of that storage shares it, as eager construction's tensors do
+# program -> {storage index: the memory materialize installed there, weakly}: a later
+# materialize of another tensor of that storage shares it, as eager construction's do
 _INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, StorageWeakRef]] = (
     weakref.WeakKeyDictionary()
 )

@@ -120,7 +120,6 @@ class Recorder:
         self.program = Program()
         # storage address -> (storage index, weak reference keeping the address unique)
         self._storages: dict[int, tuple[int, StorageWeakRef]] = {}
-        # id(tensor) -> (weak reference, its TensorRef, its version, storage epoch then)
         # id(tensor) -> (a weak reference, or a Held meta tensor, its TensorRef, its version,
         # storage epoch then)
         self._tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]] = {}
