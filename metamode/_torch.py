@@ -81,6 +81,8 @@ __all__ = [
     "DispatchKey",
     "DispatchKeySet",
     "all_registration_hooks",
+    "dispatch_exclude_set",
+    "dispatch_include_set",
     "dispatch_keys",
     "force_dispatch_keys",
     "has_kernel_for",
@@ -129,10 +131,15 @@ VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"
 _HOOK_KINDS = ("parameter", "buffer", "module")
 
 
+# The dispatch keys this thread adds to (include set) and removes from (exclude set) every
+# call: autocast, inference mode, dispatch modes and functorch live there.
+dispatch_include_set: Callable[[], Any] = torch._C._dispatch_tls_local_include_set
+dispatch_exclude_set: Callable[[], Any] = torch._C._dispatch_tls_local_exclude_set
+
+
 def dispatch_keys() -> tuple[Any, Any]:
-    """The dispatch keys this thread adds to (include set) and removes from (exclude set)
-    every call: autocast, inference mode, dispatch modes and functorch live there."""
-    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    """This thread's (include set, exclude set)."""
+    return dispatch_include_set(), dispatch_exclude_set()
 
 
 def storage_of(ref: Any) -> torch.UntypedStorage | None:

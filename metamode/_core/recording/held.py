@@ -33,10 +33,11 @@ class Held:
             self.storage: int = tensor.untyped_storage()._cdata
 
     def __call__(self) -> torch.Tensor | None:
+        # called where the recorder reads tensors anyway (inside its mode's handler)
         tensor = self.tensor
-        with DisableTorchFunction():
-            same = tensor._cdata == self.impl and tensor.untyped_storage()._cdata == self.storage
-        return tensor if same else None
+        if tensor._cdata == self.impl and tensor.untyped_storage()._cdata == self.storage:
+            return tensor
+        return None
 
 
 class Named:

@@ -31,6 +31,8 @@ import torch
 from metamode._torch import (
     DispatchKey,
     DispatchKeySet,
+    dispatch_exclude_set,
+    dispatch_include_set,
     dispatch_keys,
     force_dispatch_keys,
     has_kernel_for,
@@ -72,9 +74,14 @@ class ThreadState:
         return f"<autocast {on}>" if not self.refused else f"<refused: {self.refused}>"
 
 
-@functools.cache
+_DEFAULTS: tuple[int, int, int, int] | None = None
+
+
 def _defaults() -> tuple[int, int, int, int]:
     """The raw include and exclude sets of a fresh thread, then of one in inference mode."""
+    global _DEFAULTS
+    if _DEFAULTS is not None:
+        return _DEFAULTS
     found: list[int] = []
 
     def read() -> None:
@@ -93,14 +100,15 @@ def _defaults() -> tuple[int, int, int, int]:
     thread = threading.Thread(target=read, name="metamode-dispatch-defaults")
     thread.start()
     thread.join()
-    return found[0], found[1], found[2], found[3]
+    _DEFAULTS = found[0], found[1], found[2], found[3]
+    return _DEFAULTS
 
 
 def current() -> ThreadState | None:
     """The state this thread's next torch call runs under; None for torch's default."""
-    include, exclude = dispatch_keys()
-    defaults = _defaults()
+    include, exclude = dispatch_include_set(), dispatch_exclude_set()
     included, excluded = include.raw_repr(), exclude.raw_repr()
+    defaults = _DEFAULTS or _defaults()
     if included == defaults[0] and excluded == defaults[1]:
         return None
     autocast = []
