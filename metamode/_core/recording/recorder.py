@@ -700,6 +700,12 @@ class Recorder:
     ) -> None:
         """``original`` was registered on ``module`` as ``name``; ``placed`` is the meta
         twin the context put there instead (None if it kept ``original``)."""
+        with DisableTorchFunction():  # metamode's own reads of them, not the build's
+            self._register(original, placed, module, name)
+
+    def _register(
+        self, original: torch.Tensor, placed: torch.Tensor | None, module: Any, name: str | None
+    ) -> None:
         ref = self.ref(original)
         if ref.storage in self._views:  # the larger tensor a view was cut from, again
             self._apart(ref.storage)
@@ -782,9 +788,10 @@ class Recorder:
     def close(self) -> None:
         """The owning context exited: hand the registered tensors to the registry."""
         program = self.program
-        for tensor, entry in self._registered:
-            entry.ref = self.ref(tensor)
-            entry.version = _version(tensor)
+        with DisableTorchFunction():  # metamode's own reads, not the build's
+            for tensor, entry in self._registered:
+                entry.ref = self.ref(tensor)
+                entry.version = _version(tensor)
         self._tensors = {}  # what it held: the storages only they kept alive go now
         self._registered = []
         program.live = {
