@@ -27,13 +27,13 @@ class Held:
     __slots__ = ("impl", "storage", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
+        # made and called where the recorder reads tensors anyway (inside its mode's
+        # handler, or under DisableTorchFunction)
         self.tensor = tensor
-        with DisableTorchFunction():  # metamode's own reads, not the build's
-            self.impl: int = tensor._cdata
-            self.storage: int = tensor.untyped_storage()._cdata
+        self.impl: int = tensor._cdata
+        self.storage: int = tensor.untyped_storage()._cdata
 
     def __call__(self) -> torch.Tensor | None:
-        # called where the recorder reads tensors anyway (inside its mode's handler)
         tensor = self.tensor
         if tensor._cdata == self.impl and tensor.untyped_storage()._cdata == self.storage:
             return tensor

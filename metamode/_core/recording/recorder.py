@@ -846,10 +846,11 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
 
 def _hold(tensor: torch.Tensor) -> Callable[[], Any]:
     """What names ``tensor`` in the recording: a meta tensor is held (no memory, and no
-    weak reference for swap_tensors to refuse), a real one weakly."""
-    with DisableTorchFunction():  # metamode's own reads, not the build's
-        held = tensor.is_meta and tensor.layout is torch.strided
-    return Held(tensor) if held else weakref.ref(tensor)
+    weak reference for swap_tensors to refuse), a real one weakly. (Called inside the
+    mode's handler or under DisableTorchFunction: these reads are metamode's own.)"""
+    if tensor.is_meta and tensor.layout is torch.strided:
+        return Held(tensor)
+    return weakref.ref(tensor)
 
 
 def _unseen_write(tensor: torch.Tensor) -> None:
