@@ -32,6 +32,17 @@ private name                                     public alternative
 ``torch.nn.parameter.UninitializedTensorMixin``  ``torch.nn.parameter.is_lazy`` (tensors only)
 ``Tensor._use_count``                            none: what ``swap_tensors`` checks (materialize
                                                  checks it first, to refuse before installing)
+``torch._neg_view``                              none: ``x.conj().imag`` makes one, from a
+                                                 complex tensor only
+``torch._C._dispatch_tls_local_include_set`` /   none: ``torch.is_autocast_enabled(device)``
+``_exclude_set``, ``DispatchKey``,               and ``torch.is_inference_mode_enabled()``
+``DispatchKeySet``                               read parts of them
+``torch._C._dispatch_has_kernel_for_``         none: whether an op has a kernel of its own
+``dispatch_key``                                 for a key (autocast's casting ops)
+``torch.UntypedStorage._new_with_weak_ptr``     none: a storage from torch's weak reference
+                                                 (``StorageWeakRef``) to it, while it lives
+``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
+                                                 device type, which sets parts of them
 ===============================================  ==========================================
 
 Used in place, where the object is at hand (hot paths, or one call site), and
@@ -42,8 +53,10 @@ run the hooks again), ``Module._load_from_state_dict`` (the hook's
 ``load_state_dict(assign=True)`` warning), ``RNNBase._flat_weight_refs`` /
 ``_init_flat_weights`` and FSDP2's ``_get_fsdp_state()`` (materialize),
 ``untyped_storage()._cdata`` (the recorder's storage identity; public:
-``data_ptr()``, which is 0 on meta), ``torch.multiprocessing.reductions.StorageWeakRef``
-(keeps a recorded storage's address from reuse).
+``data_ptr()``, which is 0 on meta), ``Tensor._cdata`` (a tensor's implementation,
+which ``swap_tensors`` exchanges; ``recording/held.py``; public: none),
+``torch.multiprocessing.reductions.StorageWeakRef`` (keeps a recorded storage's address
+from reuse).
 """
 
 from __future__ import annotations
@@ -65,7 +78,15 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 from torch.utils._device import DeviceContext, _device_constructors
 
 __all__ = [
+    "DispatchKey",
+    "DispatchKeySet",
     "all_registration_hooks",
+    "dispatch_exclude_set",
+    "dispatch_include_set",
+    "dispatch_keys",
+    "force_dispatch_keys",
+    "has_kernel_for",
+    "neg_view",
     "DeviceContext",
     "DisableTorchFunction",
     "VariableFunctions",
@@ -84,10 +105,16 @@ __all__ = [
     "pop_mode",
     "push_mode",
     "registration_hooks",
+    "storage_of",
     "set_global_device_context",
     "use_count",
 ]
 
+DispatchKey: Any = torch._C.DispatchKey
+DispatchKeySet: Any = torch._C.DispatchKeySet
+force_dispatch_keys: Any = torch._C._ForceDispatchKeyGuard
+has_kernel_for: Callable[[str, Any], bool] = torch._C._dispatch_has_kernel_for_dispatch_key
+neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view
 push_mode = _push_mode
 pop_mode = _pop_mode
 mode_stack_depth = _len_torch_function_stack
@@ -102,6 +129,22 @@ CURRENT_DEVICE_NAME = "torch.utils._device.CURRENT_DEVICE"
 VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"
 
 _HOOK_KINDS = ("parameter", "buffer", "module")
+
+
+# The dispatch keys this thread adds to (include set) and removes from (exclude set) every
+# call: autocast, inference mode, dispatch modes and functorch live there.
+dispatch_include_set: Callable[[], Any] = torch._C._dispatch_tls_local_include_set
+dispatch_exclude_set: Callable[[], Any] = torch._C._dispatch_tls_local_exclude_set
+
+
+def dispatch_keys() -> tuple[Any, Any]:
+    """This thread's (include set, exclude set)."""
+    return dispatch_include_set(), dispatch_exclude_set()
+
+
+def storage_of(ref: Any) -> torch.UntypedStorage | None:
+    """The storage ``ref`` (a ``StorageWeakRef``) refers to, or None if it is gone."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
 def registration_hooks(kind: str) -> dict[Any, Any]:

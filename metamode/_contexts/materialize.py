@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from metamode import _torch
 from metamode._core import recording
@@ -25,9 +26,9 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
-# program -> {storage index: a tensor materialize installed there}: a later materialize
-# of another tensor of that storage shares it, as eager construction's tensors do
-_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, tuple[weakref.ref, int]]] = (
+# program -> {storage index: the memory materialize installed there, weakly}: a later
+# materialize of another tensor of that storage shares it, as eager construction's do
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, StorageWeakRef]] = (
     weakref.WeakKeyDictionary()
 )
 # meta buffer -> the buffer materialize put in its place (a module outside the one
@@ -50,7 +51,7 @@ class _Slot:
     entry: Entry | None = None
     reason: str | None = None  # why it is refused
     wanted: bool = False
-    shares: torch.Tensor | None = None  # an earlier materialize's tensor in its storage
+    shares: torch.UntypedStorage | None = None  # the memory an earlier materialize gave it
 
     @property
     def key(self) -> Key:
@@ -91,7 +92,12 @@ def _find_entries(slots: list[_Slot]) -> None:
             programs[slot.entry.program.serial] = slot.entry.program
     owners: dict[int, list[Program]] | None = None  # storage address -> programs knowing it
     for slot in slots:
-        if slot.entry is None and not _is_dtensor(slot.tensor) and not _lazy(slot.tensor):
+        if (
+            slot.entry is None
+            and slot.tensor.layout is torch.strided
+            and not _is_dtensor(slot.tensor)
+            and not _lazy(slot.tensor)
+        ):
             # made without registration (copy.deepcopy of a built module, a cast by
             # Module._apply, module._buffers[k] = t, a stretch under skip_empty_weights):
             # known by its storage to a program, first those that recorded this module's
@@ -132,7 +138,13 @@ def _unregistered(tensor: torch.Tensor, program: Program, address: int) -> Entry
         if made[1] and version not in made[1]:
             version = min(made[1])  # written after the block: _changed says so
     ref = TensorRef(
-        known[0], tensor.dtype, tuple(tensor.shape), tensor.stride(), int(tensor.storage_offset())
+        known[0],
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        int(tensor.storage_offset()),
+        tensor.is_conj(),
+        tensor.is_neg(),
     )
     return Entry(program, ref, version)
 
@@ -153,14 +165,15 @@ def _changed(slot: _Slot) -> str | None:
             f"as {str(ref.dtype).removeprefix('torch.')}{list(ref.size)}); materialize "
             f"first, then cast or reshape"
         )
-    if _is_dtensor(tensor):
-        return None
+    if _is_dtensor(tensor) or tensor.layout is not torch.strided:
+        return None  # a layout without storage: the recording refuses it
     known = entry.program.live.get(tensor.untyped_storage()._cdata)
     if (
         known is None
         or known[0] != ref.storage
         or tensor.stride() != ref.stride
         or tensor.storage_offset() != ref.offset
+        or (tensor.is_conj(), tensor.is_neg()) != (ref.conj, ref.neg)
     ):
         return "its storage or layout was changed after its empty_weights block"
     if _version(tensor) != entry.version:
@@ -181,7 +194,14 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         if _lazy(tensor):
             continue  # materialize puts an uninitialised one on the device
         if entry is None:
-            if tensor.is_meta:
+            if tensor.is_meta and any(recording.home(h, n) for h, n in slot.homes):
+                slot.reason = (
+                    "it is not the tensor its empty_weights block registered there: it was "
+                    "replaced after the block (a cast under torch.__future__."
+                    "set_swap_module_params_on_conversion(True) swaps in another tensor, "
+                    "or an assignment); materialize first, then cast"
+                )
+            elif tensor.is_meta:
                 slot.reason = (
                     "it was not registered inside a metamode.empty_weights(replayable=True) "
                     "context (built under torch.device('meta') or a non-replayable context, "
@@ -209,13 +229,15 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     for slot in slots:
         if slot.wanted:
             earlier = _INSTALLED.get(slot.entry.program, {}).get(slot.entry.ref.storage)  # type: ignore[union-attr]
-            shares = earlier[0]() if earlier is not None else None
-            if shares is not None and shares.untyped_storage()._cdata != earlier[1]:  # type: ignore[index]
+            if earlier is None:
+                continue
+            shares = _torch.storage_of(earlier)
+            if shares is None:
                 slot.reason, slot.wanted = (
                     (
                         "it shares memory with a tensor an earlier materialize gave its eager "
-                        "value, and that tensor was given other memory since (a cast, .data =); "
-                        "materialize both together, or before changing it"
+                        "value, and that memory is gone since (a cast, .data =, or the tensor "
+                        "was freed); materialize both together, or before changing it"
                     ),
                     False,
                 )
@@ -341,7 +363,7 @@ def materialize(
                     if replaced is not None and slot.kind == "buffer":
                         install.buffer(slot, replaced)
                     else:
-                        install.storage([slot], slot.shares.untyped_storage(), {})
+                        install.storage([slot], slot.shares, {})
             if plan is not None:
                 by_key: dict[Key, list[_Slot]] = {}
                 for slot in slots:
@@ -383,12 +405,16 @@ class _Installer:
             if value is not None:  # eager's layout of this very result
                 value = value.to(self.device)
             else:
-                value = torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-                    storage, ref.offset, ref.size, ref.stride
+                value = recording.with_bits(
+                    torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+                        storage, ref.offset, ref.size, ref.stride
+                    ),
+                    ref,
                 )
             installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
-            shared[ref.storage] = (weakref.ref(installed), installed.untyped_storage()._cdata)
+            # the memory, weakly: a weak reference to the tensor would stop swap_tensors
+            shared[ref.storage] = StorageWeakRef(installed.untyped_storage())
             self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:

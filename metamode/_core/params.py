@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
-from metamode._torch import UninitializedTensorMixin, make_subclass
+from metamode._torch import UninitializedTensorMixin, make_subclass, neg_view
 
 __all__ = ["moved_parameter", "moved_tensor"]
 
@@ -28,7 +28,34 @@ def moved_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, UninitializedTensorMixin):
         return _uninitialised_on(tensor, device)
     with torch.no_grad():
-        return tensor.detach().to(device)
+        data = tensor.detach()
+        conj, neg = data.is_conj(), data.is_neg()
+        if not (conj or neg):
+            return _strided_as(data.to(device), data)
+        # the same memory without the bits (``to`` would resolve them), the bits put back
+        if conj:
+            data = data.conj()
+        if neg:
+            data = neg_view(data)
+        moved = _strided_as(data.to(device), data)
+        if neg:
+            moved = neg_view(moved)
+        return moved.conj() if conj else moved
+
+
+def _strided_as(moved: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``moved`` with ``data``'s strides where ``to`` made a strided view contiguous
+    (``t[:, ::2]``); a stride-0 view (``t.expand(...)``) stays contiguous: its elements
+    share memory, which a copy cannot write."""
+    if data.layout is not torch.strided or moved.stride() == data.stride():
+        return moved
+    if any(
+        stride == 0 and size > 1 for size, stride in zip(data.shape, data.stride(), strict=True)
+    ):
+        return moved
+    return torch.empty_strided(
+        data.shape, data.stride(), dtype=data.dtype, device=moved.device
+    ).copy_(moved)
 
 
 def moved_parameter(param: Parameter, device: torch.device) -> Parameter:

@@ -7,7 +7,7 @@ needs and what is refused, and :mod:`.execute` runs them. Nothing outside this p
 reads a program.
 """
 
-from metamode._core.recording.execute import ReplayError, execute
+from metamode._core.recording.execute import ReplayError, execute, with_bits
 from metamode._core.recording.plan import Key, Plan, plan
 from metamode._core.recording.program import Program, ProgramState, TensorRef
 from metamode._core.recording.recorder import Recorder
@@ -38,4 +38,5 @@ __all__ = [
     "plan",
     "remember",
     "weakly_held_elsewhere",
+    "with_bits",
 ]

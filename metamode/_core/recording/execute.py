@@ -9,6 +9,7 @@ the process's default generator is never touched.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,10 @@ from metamode._core.recording.plan import DrawKey, Key, Plan, Step, Use
 from metamode._core.recording.program import Call, Origin, Start, TensorRef
 from metamode._core.recording.recorder import GENERATOR
 from metamode._core.recording.streams import replayed
-from metamode._torch import DisableTorchFunction
+from metamode._core.recording.thread_state import replaying
+from metamode._torch import DisableTorchFunction, neg_view
 
-__all__ = ["ReplayError", "execute"]
+__all__ = ["ReplayError", "execute", "with_bits"]
 
 
 class ReplayError(RuntimeError):
@@ -28,7 +30,16 @@ class ReplayError(RuntimeError):
 
 
 def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+    return with_bits(
+        torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride), ref
+    )
+
+
+def with_bits(view: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """``view`` read through ``ref``'s conjugate and negative bits."""
+    if ref.neg:
+        view = neg_view(view)
+    return view.conj() if ref.conj else view
 
 
 class _Run:
@@ -148,7 +159,9 @@ def execute(plan: Plan, done: Done) -> None:
     frees: dict[int, list[Key]] = {}
     for key, position in plan.last_use.items():
         frees.setdefault(position, []).append(key)
-    with torch.no_grad(), DisableTorchFunction():
+    # every call under the thread state it was recorded in, whatever the caller's
+    with torch.no_grad(), DisableTorchFunction(), replaying(None), contextlib.ExitStack() as at:
+        state = None
         for key in plan.wanted:
             if key not in plan.done_after:  # a tensor from outside, read as it is
                 storage = run.storage(key)
@@ -156,6 +169,11 @@ def execute(plan: Plan, done: Done) -> None:
                     raise ReplayError("a wanted storage has no value")
                 done(key, storage, {})
         for position, step in enumerate(plan.steps):
+            if step.call.state != state:
+                at.close()
+                state = step.call.state
+                if state is not None:
+                    at.enter_context(replaying(state))
             run.run(step)
             for key in finals.get(position, ()):
                 done(key, run.env[key], run.relaid.pop(key, {}))
@@ -175,7 +193,11 @@ def _bind(
     def bind(spec: Any, value: Any) -> None:
         if type(spec) is TensorRef:
             if spec.storage in created:
-                if value.dtype != spec.dtype or tuple(value.shape) != spec.size:
+                if (
+                    value.dtype != spec.dtype
+                    or tuple(value.shape) != spec.size
+                    or (value.is_conj(), value.is_neg()) != (spec.conj, spec.neg)
+                ):
                     raise ReplayError(
                         f"{_name(call)} replayed {value.dtype}{list(value.shape)} where the "
                         f"build made {spec.dtype}{list(spec.size)}"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bytes", "ExternalMemory", "Held", "external", "refill"]
+__all__ = ["Bytes", "ExternalMemory", "Kept", "external", "refill"]
 
 
 def external(storage: torch.UntypedStorage) -> bool:
@@ -82,13 +82,19 @@ class ExternalMemory:
     def aliased(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (meta) stands for one eager construction makes over the
         memory of a NumPy array or Python buffer."""
-        return bool(self._aliased) and tensor.untyped_storage()._cdata in self._aliased
+        return (
+            bool(self._aliased)
+            and tensor.layout is torch.strided
+            and tensor.untyped_storage()._cdata in self._aliased
+        )
 
     def diverged(self, tensors: list[torch.Tensor]) -> list[int]:
         """The meta storages among ``tensors``' whose source memory changed since they were
         made: eager's tensor, sharing it, would read other values now."""
         found = []
         for tensor in tensors:
+            if tensor.layout is not torch.strided:
+                continue  # no storage (sparse...): refused by its layout
             address = tensor.untyped_storage()._cdata
             held = self._aliased.get(address)
             if held is not None and any(_contents(s) != b for s, b in held[1]):
@@ -108,6 +114,8 @@ class ExternalMemory:
         changed since the recording last saw them."""
         found = []
         for tensor in tensors:
+            if tensor.layout is not torch.strided:
+                continue  # no storage (sparse...): refused by its layout
             seen = self.watched.get(tensor.untyped_storage()._cdata)
             if seen is None:
                 continue
@@ -136,8 +144,9 @@ def _contents(source: Any) -> bytes | None:
         return None
 
 
-class Held:
-    """A strong reference to a tensor from outside the recording, called like a weak one."""
+class Kept:
+    """A real tensor from outside the recording, kept (a strong reference) until the build
+    overwrites it, so replay can read its first value; called like a weak reference."""
 
     __slots__ = ("tensor",)
 

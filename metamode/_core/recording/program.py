@@ -39,18 +39,23 @@ _SEQUENCE = itertools.count()  # orders calls across programs (threads, chained 
 
 @dataclass(frozen=True, slots=True)
 class TensorRef:
-    """A tensor argument or result: a view of storage ``storage`` of its program."""
+    """A tensor argument or result: a view of storage ``storage`` of its program, with the
+    conjugate and negative bits torch reads its values through (``x.conj()``, ``.imag``
+    of one: views that compute nothing until read)."""
 
     storage: int
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    conj: bool = False
+    neg: bool = False
 
     def __repr__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         layout = "" if self.offset == 0 and _contiguous(self) else f" {self.stride}+{self.offset}"
-        return f"s{self.storage}:{dtype}{list(self.size)}{layout}"
+        bits = (" conj" if self.conj else "") + (" neg" if self.neg else "")
+        return f"s{self.storage}:{dtype}{list(self.size)}{layout}{bits}"
 
 
 def _contiguous(ref: TensorRef) -> bool:
@@ -156,6 +161,7 @@ class Call:
     covers: int | None = None
     refused: str | None = None
     default_dtype: torch.dtype | None = None  # the result's dtype came from the default
+    state: Any = None  # the thread state it ran under (a ThreadState), None: torch's default
     seq: int = -1  # orders calls across programs (next(_SEQUENCE) when recorded)
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ copied, devices mapped to the CPU replay computes on).
 from __future__ import annotations
 
 import array
+import functools
 import inspect
 import sys
 import weakref
@@ -33,8 +34,9 @@ from metamode._core.facts import (
     stand_in_for,
     stand_in_rule,
 )
-from metamode._core.recording import registry
-from metamode._core.recording.memory import ExternalMemory, Held, external, refill
+from metamode._core.recording import registry, thread_state
+from metamode._core.recording.held import Held
+from metamode._core.recording.memory import ExternalMemory, Kept, external, refill
 from metamode._core.recording.program import (
     _SEQUENCE,
     Call,
@@ -51,7 +53,13 @@ from metamode._core.recording.program import (
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
-from metamode._torch import DisableTorchFunction, UninitializedTensorMixin, pop_mode, push_mode
+from metamode._torch import (
+    DisableTorchFunction,
+    UninitializedTensorMixin,
+    neg_view,
+    pop_mode,
+    push_mode,
+)
 
 __all__ = ["GENERATOR", "Recorder"]
 
@@ -117,15 +125,21 @@ class Recorder:
     shared by the replayable contexts entered inside it."""
 
     def __init__(self) -> None:
+        # entries of registered tensors gone since the last build go now, and the programs
+        # only they kept alive with them: a generator left in a marker state of a build
+        # dropped before it was materialized is then known as such
+        registry.sweep()
         self.program = Program()
         # storage address -> (storage index, weak reference keeping the address unique)
         self._storages: dict[int, tuple[int, StorageWeakRef]] = {}
-        # id(tensor) -> (weak reference, its TensorRef, its version, storage epoch then)
-        self._tensors: dict[int, tuple[weakref.ref, TensorRef, int, int]] = {}
+        # id(tensor) -> (a weak reference, or a Held meta tensor, its TensorRef, its version,
+        # storage epoch then)
+        self._tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]] = {}
         self._epochs: list[int] = []  # per storage: recorded writes so far
         self._generators: dict[int, GeneratorTrack] = {}
         self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
-        self._registered: list[tuple[weakref.ref, registry.Entry]] = []
+        # held until the context exits: a weak reference would stop swap_tensors
+        self._registered: list[tuple[torch.Tensor, registry.Entry]] = []
         self._default_track: GeneratorTrack | None = None
         # storage -> the storages registered views were cut apart from (or into)
         self._views: dict[int, set[int]] = {}
@@ -143,8 +157,8 @@ class Recorder:
         if origin is Origin.OUTSIDE:
             # held (its value is read at materialize time), or copied where torch does not
             # own the memory and so cannot say whether it changed
-            held = Held(tensor if snapshot is None else None)
-            outside = Outside(held, _version(tensor), storage._cdata, None, snapshot=snapshot)
+            kept = Kept(tensor if snapshot is None else None)
+            outside = Outside(kept, _version(tensor), storage._cdata, None, snapshot=snapshot)
         self.program.storages.append(Storage(origin, device, storage.nbytes(), call, outside))
         if tensor.is_inference():
             self.program.storages[
@@ -177,7 +191,7 @@ class Recorder:
         nobody saw."""
         key = id(tensor)
         seen = self._tensors.get(key)
-        if seen is not None and seen[0]() is tensor:
+        if seen is not None and (seen[0]() is tensor or _set_away(seen[0], tensor)):
             ref = seen[1]
             try:
                 version = tensor._version
@@ -200,6 +214,8 @@ class Recorder:
                     self._unseen_write(ref)
                 self._tensors[key] = (seen[0], ref, version, self._epochs[ref.storage])
             return ref
+        if tensor.layout is not torch.strided:
+            return self._unstrided(tensor, creating_call)
         storage = tensor.untyped_storage()
         known = self._storages.get(storage._cdata)
         if known is not None and not known[1].expired():
@@ -210,16 +226,45 @@ class Recorder:
             origin = Origin.UNKNOWN if tensor.is_meta else Origin.OUTSIDE
             index = self._new_storage(tensor, origin, None)
         offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic
-        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), tensor.stride(), offset)
+        ref = TensorRef(
+            index,
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+            offset,
+            tensor.is_conj(),
+            tensor.is_neg(),
+        )
         try:
             version = tensor._version
         except RuntimeError:
             version = -1
-        self._tensors[key] = (weakref.ref(tensor), ref, version, self._epochs[index])
+        self._tensors[key] = (_hold(tensor), ref, version, self._epochs[index])
+        return ref
+
+    def _unstrided(self, tensor: torch.Tensor, creating_call: int | None) -> TensorRef:
+        """A tensor with no strided storage (sparse, MKL-DNN...): a storage of its own,
+        whose value is refused."""
+        index = len(self.program.storages)
+        origin = Origin.CREATED if creating_call is not None else Origin.UNKNOWN
+        if creating_call is None and not tensor.is_meta:
+            origin = Origin.OUTSIDE
+        storage = Storage(origin, "meta" if tensor.is_meta else tensor.device.type, 0)
+        storage.call = creating_call
+        storage.pinned = (
+            f"it has layout {tensor.layout}: metamode records strided tensors only; "
+            f"register it dense (.to_dense()) or make it after materialize"
+        )
+        self.program.storages.append(storage)
+        self._epochs.append(0)
+        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), (), 0)
+        self._tensors[id(tensor)] = (weakref.ref(tensor), ref, _version(tensor), 0)
         return ref
 
     def _in_place(self, tensor: torch.Tensor, ref: TensorRef) -> bool:
         """Whether ``tensor`` is still the view ``ref`` of the same storage."""
+        if tensor.layout is not torch.strided:
+            return True  # no storage to be given another of
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return (
             known is not None
@@ -228,6 +273,7 @@ class Recorder:
             and tuple(tensor.shape) == ref.size
             and tensor.stride() == ref.stride
             and tensor.storage_offset() == ref.offset
+            and (tensor.is_conj(), tensor.is_neg()) == (ref.conj, ref.neg)
         )
 
     def _unseen_write(self, ref: TensorRef) -> None:
@@ -407,6 +453,8 @@ class Recorder:
             # made from an array or buffer whose memory eager's result may share: a real
             # result that shares it is watched (not resizable); a meta one cannot share it
             for tensor in _tensors_in(result):
+                if tensor.layout is not torch.strided:
+                    continue  # refused by its layout
                 storage = tensor.untyped_storage()
                 index = self._storages[storage._cdata][0]
                 if tensor.is_meta and index in creates:
@@ -563,6 +611,8 @@ class Recorder:
         seen = self._tensors.get(id(tensor))
         if seen is not None and seen[0]() is tensor:
             return True
+        if tensor.layout is not torch.strided:
+            return False
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return known is not None and not known[1].expired()
 
@@ -608,6 +658,14 @@ class Recorder:
         program = self.program
         index = len(program.calls)
         storages = program.storages
+        state = thread_state.current()
+        if state is not None:  # autocast, inference mode...: replayed under it, or refused
+            call.state = state
+            call.refused = call.refused or state.refused
+            if call.creates and state.autocast:
+                call.refused = call.refused or thread_state.autocast_on_meta(
+                    state, call.func, tensors
+                )
         off = False
         for read in call.reads:
             if storages[read].off:
@@ -783,15 +841,26 @@ class Recorder:
         if ref.storage in self._views:  # the larger tensor a view was cut from, again
             self._apart(ref.storage)
         target = original
-        if placed is not None:
+        if placed is not None and original.layout is not torch.strided:
             target = placed
-            geometry = (tuple(placed.shape), placed.stride(), placed.storage_offset())
-            if geometry == (ref.size, ref.stride, ref.offset) and placed.dtype == ref.dtype:
+        elif placed is not None:
+            target = placed
+            geometry = (
+                tuple(placed.shape),
+                placed.stride(),
+                placed.storage_offset(),
+                placed.is_conj(),
+                placed.is_neg(),
+            )
+            if (
+                geometry == (ref.size, ref.stride, ref.offset, ref.conj, ref.neg)
+                and placed.dtype == ref.dtype
+            ):
                 # eager construction keeps one tensor: the twin *is* the original
                 storage = placed.untyped_storage()
                 self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
                 self._tensors[id(placed)] = (
-                    weakref.ref(placed),
+                    _hold(placed),
                     ref,
                     _version(placed),
                     self._epochs[ref.storage],
@@ -801,6 +870,13 @@ class Recorder:
                 # a later write through either, or another registration of the larger
                 # one, would not reach the other as in eager
                 twin = self._copy(original, placed).storage
+                if placed.stride() != ref.stride:
+                    self.program.storages[twin].pinned = (
+                        f"it was registered with strides {ref.stride} (a stride-0 or "
+                        f"strided view: nn.Parameter(t.expand(...)), t[:, ::2]), which its "
+                        f"empty twin does not keep; register a tensor of its own "
+                        f"(.contiguous() or .clone())"
+                    )
                 self._views.setdefault(ref.storage, set()).add(twin)
                 self._views.setdefault(twin, set()).add(ref.storage)
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
@@ -813,7 +889,7 @@ class Recorder:
                 "its tensor keeps sharing with that array; on meta it has memory of its own: "
                 "register a copy (.clone())"
             )
-        self._registered.append((weakref.ref(target), entry))
+        self._registered.append((target, entry))
 
     def _apart(self, storage: int) -> None:
         """``storage`` was written or registered again: the registered views cut from it
@@ -836,7 +912,7 @@ class Recorder:
         self.program.calls.append(
             Call(
                 _copy_as,
-                (source, made.size, made.stride),
+                (source, made.size, made.stride, made.conj, made.neg),
                 {},
                 reads=(source.storage,),
                 writes=(),
@@ -855,23 +931,22 @@ class Recorder:
 
     def _close(self) -> None:
         program = self.program
-        for tensor_ref, entry in self._registered:
-            tensor = tensor_ref()
-            if tensor is not None:
-                entry.ref = self.ref(tensor)
-                entry.version = _version(tensor)
+        for tensor, entry in self._registered:
+            entry.ref = self.ref(tensor)
+            entry.version = _version(tensor)
+        versions = _real_versions(program, self._tensors)
+        self._tensors = {}  # what it held: the storages only they kept alive go now
+        self._registered = []
         program.live = {
             address: (index, keep)
             for address, (index, keep) in self._storages.items()
             if not keep.expired()
         }
-        program.made = _made_here(program, self._tensors)
+        program.made = _made_here(program, versions)
         if program.state is ProgramState.RECORDING:
             program.state = ProgramState.CLOSED
         registry.closed(program)
-        self._tensors = {}
         self._storages = {}
-        self._registered = []
         self._generators = {}
         self._memory = ExternalMemory()
 
@@ -929,17 +1004,26 @@ def _set_to_itself(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _made_here(
-    program: Program, tensors: dict[int, tuple[weakref.ref, TensorRef, int, int]]
-) -> dict[int, tuple[int, frozenset[int]]]:
-    """Real storages a recorded call created that are still alive: address -> (index, the
-    version counters seen on their tensors), so a real tensor a module holds without a
-    registration (``module._buffers[k] = t``) is known as the build's."""
+def _real_versions(
+    program: Program, tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]]
+) -> dict[int, set[int]]:
+    """Storage index -> the version counters seen on the recording's tensors of each real
+    storage a recorded call created."""
     versions: dict[int, set[int]] = {}
     for _, ref, version, _ in tensors.values():
         storage = program.storages[ref.storage]
         if storage.origin is Origin.CREATED and storage.device != "meta":
             versions.setdefault(ref.storage, set()).add(version)
+    return versions
+
+
+def _made_here(
+    program: Program, versions: dict[int, set[int]]
+) -> dict[int, tuple[int, frozenset[int]]]:
+    """Real storages a recorded call created that are still alive: address -> (index, the
+    version counters seen on their tensors, from :func:`_real_versions`), so a real tensor
+    a module holds without a registration (``module._buffers[k] = t``) is known as the
+    build's."""
     return {
         address: (index, frozenset(versions.get(index, ())))
         for address, (index, _) in program.live.items()
@@ -969,14 +1053,36 @@ def _NOTHING() -> None:
     return None
 
 
+def _hold(tensor: torch.Tensor) -> Callable[[], Any]:
+    """What names ``tensor`` in the recording: a meta tensor is held (no memory, and no
+    weak reference for swap_tensors to refuse), a real one weakly. (Called inside the
+    mode's handler or under DisableTorchFunction: these reads are metamode's own.)"""
+    if tensor.is_meta and tensor.layout is torch.strided:
+        return Held(tensor)
+    return weakref.ref(tensor)
+
+
+def _set_away(holder: Callable[[], Any], tensor: torch.Tensor) -> bool:
+    """Whether ``holder`` holds ``tensor`` (a meta tensor, :class:`Held`) with the
+    implementation it had, given other memory since by ``Tensor.set_``, which no mode sees
+    (the holder answers None then)."""
+    return type(holder) is Held and holder.tensor is tensor and tensor._cdata == holder.impl
+
+
 def _unseen_write(tensor: torch.Tensor) -> None:
     """Stands for a write the recording did not see (never replayed: it is refused)."""
     raise RuntimeError("an unseen write cannot be replayed")
 
 
-def _copy_as(source: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:
-    """A copy of ``source`` with the given geometry (a registered tensor's moved twin)."""
-    return torch.empty_strided(size, stride, dtype=source.dtype).copy_(source)
+def _copy_as(
+    source: torch.Tensor, size: tuple, stride: tuple, conj: bool = False, neg: bool = False
+) -> torch.Tensor:
+    """A copy of ``source`` with the given geometry and conjugate and negative bits (a
+    registered tensor's moved twin)."""
+    copy = torch.empty_strided(size, stride, dtype=source.dtype)
+    if neg:
+        copy = neg_view(copy)
+    return (copy.conj() if conj else copy).copy_(source)
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -1021,13 +1127,23 @@ def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
 def _default_dtype_use(
     fact: Fact, kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
 ) -> torch.dtype | None:
-    """The default dtype, if it decided a result's dtype (an integer input promoted)."""
+    """The default dtype, if it decided a result's dtype (an integer input promoted, to
+    the default or, by a complex scalar, to its complex counterpart)."""
     if fact.factory or "dtype" in kwargs or not made:
         return None
     default = torch.get_default_dtype()
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
         return None
-    return default if any(t.dtype == default for t in made) else None
+    counterpart = _complex_counterpart(default)
+    return default if any(t.dtype in (default, counterpart) for t in made) else None
+
+
+@functools.cache
+def _complex_counterpart(dtype: torch.dtype) -> torch.dtype:
+    """What an integer tensor times a complex scalar gives under default dtype ``dtype``."""
+    return (
+        torch.promote_types(dtype, torch.complex64) if dtype != torch.float16 else torch.complex32
+    )
 
 
 def _is_ours(frame: FrameType) -> bool:

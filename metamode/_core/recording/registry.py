@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from metamode._core.recording.held import Named
 from metamode._core.recording.program import Program, TensorRef
+from metamode._torch import DisableTorchFunction
 
-__all__ = ["Entry", "add", "entry", "forget", "home", "weakly_held_elsewhere"]
+__all__ = ["Entry", "add", "entry", "forget", "home", "sweep", "weakly_held_elsewhere"]
 
 
 @dataclass(slots=True)
@@ -26,7 +28,10 @@ class Entry:
     refused: str | None = None  # why its registration cannot be reproduced, if so
 
 
-_ENTRIES: dict[int, tuple[weakref.ref, Entry]] = {}
+# id(tensor) -> (what names it, entry). A strided tensor is named without a weak
+# reference (swap_tensors refuses those): entries of tensors gone are swept as it grows.
+_ENTRIES: dict[int, tuple[Any, Entry]] = {}
+_SWEEP_AT = [1024]
 # module -> {name: entry}: FSDP2's fully_shard puts new DTensor parameters in place of the
 # registered ones; where they sit says what they stand for.
 _HOMES: dict[int, tuple[weakref.ref, dict[str, Entry]]] = {}
@@ -38,8 +43,11 @@ def add(
 ) -> Entry:
     """Note that ``tensor`` was registered while ``program`` recorded."""
     found = Entry(program)
-    key = id(tensor)
-    _ENTRIES[key] = (weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r)), found)  # atomic
+    named = _name(tensor)
+    with _LOCK:  # a sweep may run in another thread
+        _ENTRIES[id(tensor)] = (named, found)
+    if len(_ENTRIES) >= _SWEEP_AT[0]:
+        sweep()
     if module is not None and name is not None:
         home_key = id(module)
         homes = _HOMES.get(home_key)
@@ -51,6 +59,38 @@ def add(
                     homes = _HOMES[home_key] = (module_ref, {})
         homes[1][name] = found  # atomic
     return found
+
+
+def _name(tensor: torch.Tensor) -> Any:
+    with DisableTorchFunction():  # metamode's own read, not the build's
+        strided = tensor.layout is torch.strided
+    if strided:
+        return Named(tensor)
+    key = id(tensor)
+    return _Weak(tensor, lambda r: _drop(_ENTRIES, key, r))
+
+
+class _Weak(weakref.ref):
+    """A weak reference answering like :class:`Named` (a tensor without strided storage)."""
+
+    __slots__ = ()
+
+    def of(self, tensor: torch.Tensor) -> bool:
+        return self() is tensor
+
+    def expired(self) -> bool:
+        return self() is None
+
+
+def sweep() -> None:
+    """Drop the entries of tensors that are gone (a strided tensor is named without a weak
+    reference, so nothing drops them as it dies), and with them what only they kept alive:
+    their programs."""
+    with _LOCK:
+        for key, held in list(_ENTRIES.items()):
+            if held[0].expired():
+                _ENTRIES.pop(key, None)  # under the lock: no add in between
+        _SWEEP_AT[0] = max(1024, 2 * len(_ENTRIES))
 
 
 def _drop(table: dict | None, key: int, ref: weakref.ref) -> None:
@@ -65,7 +105,7 @@ def _drop(table: dict | None, key: int, ref: weakref.ref) -> None:
 def entry(tensor: torch.Tensor) -> Entry | None:
     with _LOCK:
         held = _ENTRIES.get(id(tensor))
-    return held[1] if held is not None and held[0]() is tensor else None
+    return held[1] if held is not None and held[0].of(tensor) else None
 
 
 def home(module: Any, name: str) -> Entry | None:
@@ -81,7 +121,7 @@ def weakly_held_elsewhere(tensor: torch.Tensor) -> bool:
     """Whether something besides this registry holds a weak reference to ``tensor``."""
     with _LOCK:
         held = _ENTRIES.get(id(tensor))
-    ours = held[0] if held is not None and held[0]() is tensor else None
+    ours = held[0] if held is not None and held[0].of(tensor) else None
     return any(ref is not ours for ref in weakref.getweakrefs(tensor))
 
 
@@ -95,7 +135,9 @@ def closed(program: Program) -> None:
 
 
 def closed_programs() -> list[Program]:
-    """Every program whose recording ended and that is still alive."""
+    """Every program whose recording ended and that is still alive (after a :func:`sweep`:
+    one only entries of tensors gone kept alive is not)."""
+    sweep()
     with _LOCK:
         return list(_CLOSED)
 
@@ -105,7 +147,7 @@ def forget(tensor: torch.Tensor) -> Entry | None:
     it had, for :func:`remember`."""
     with _LOCK:
         held = _ENTRIES.get(id(tensor))
-        if held is not None and held[0]() is tensor:
+        if held is not None and held[0].of(tensor):
             del _ENTRIES[id(tensor)]
             return held[1]
     return None
@@ -113,7 +155,5 @@ def forget(tensor: torch.Tensor) -> Entry | None:
 
 def remember(tensor: torch.Tensor, found: Entry) -> None:
     """Undo :func:`forget`: ``tensor`` stands for ``found`` again."""
-    key = id(tensor)
-    ref = weakref.ref(tensor, lambda r: _drop(_ENTRIES, key, r))
     with _LOCK:
-        _ENTRIES[key] = (ref, found)
+        _ENTRIES[id(tensor)] = (_name(tensor), found)

@@ -1,8 +1,9 @@
 """The two outcomes a sound ``metamode.materialize`` allows, as assertions.
 
 *Exact*: every tensor gets what eager construction under the same seed gives it, bitwise
-(values, dtype, class, device, ``requires_grad``, strides, ties by object and by storage),
-and the default generator is left as it was. *Refused before anything changed*:
+(values, dtype, class, device, ``requires_grad``, layout, conjugate and negative bits,
+strides, ties by object and by storage), and the default generator is left as it was.
+*Refused before anything changed*:
 ``NotMaterializableError`` names each refused tensor and why, while every tensor is still the
 same object on the same device with the same data and the default generator is untouched.
 Either way ``is_materializable`` says so first. Public API only.
@@ -79,6 +80,9 @@ def assert_same_tensors(
             "shape": actual.shape == expected.shape,
             "requires_grad": actual.requires_grad == expected.requires_grad,
             "inference tensor": actual.is_inference() == expected.is_inference(),
+            "layout": actual.layout == expected.layout,
+            "conjugate or negative bit": (actual.is_conj(), actual.is_neg())
+            == (expected.is_conj(), expected.is_neg()),
         }
         if checks["shape"] and checks[f"dtype {actual.dtype} != {expected.dtype}"]:
             checks["values differ from eager"] = torch.equal(actual, expected)

@@ -1,0 +1,364 @@
+"""materialize and the thread state torch consults for a result: autocast (in the build and
+around materialize), the default dtype a complex result was promoted from, grad and
+inference mode around materialize, a dispatch mode in the build. Each build replays under
+the state it ran in, whatever the caller's, or is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.unit.contexts.materialize_checks import (
+    MODES,
+    assert_eager_equal,
+    assert_exact_or_refused,
+    assert_refused,
+    build_eagerly,
+    build_empty,
+    materialize_exactly,
+)
+
+
+class Built(nn.Module):
+    def __init__(self, init) -> None:
+        super().__init__()
+        init(self)
+        self.after = nn.Linear(4, 4)
+
+
+def _autocast() -> AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+# -- a build under autocast ------------------------------------------------------------
+
+
+def _matmul_in_autocast(m: nn.Module) -> None:
+    a = torch.randn(4, 4)
+    with _autocast():
+        m.w = nn.Parameter(a @ a.T)  # eager: bfloat16
+
+
+def _linear_in_autocast(m: nn.Module) -> None:
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with _autocast():
+        m.register_buffer("y", F.linear(x, w))
+
+
+def _mm_then_fp32_op_in_autocast(m: nn.Module) -> None:
+    a = torch.randn(4, 4)
+    with _autocast():
+        h = torch.mm(a, a)
+        m.w = nn.Parameter(h.float().exp())
+
+
+def _float16_autocast(m: nn.Module) -> None:
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        m.w = nn.Parameter(torch.matmul(a, a))
+
+
+def _whole_build_in_autocast(m: nn.Module) -> None:
+    with _autocast():
+        m.lin = nn.Linear(4, 4)  # no autocast op: eager's float32 values
+        a = torch.randn(4, 4)
+        m.w = nn.Parameter(a @ a)
+
+
+AUTOCAST_BUILDS = {
+    "a @ a.T": _matmul_in_autocast,
+    "F.linear": _linear_in_autocast,
+    "mm then float().exp()": _mm_then_fp32_op_in_autocast,
+    "float16 matmul": _float16_autocast,
+    "nn.Linear and matmul": _whole_build_in_autocast,
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("idiom", sorted(AUTOCAST_BUILDS))
+def test_a_build_under_autocast_is_replayed_under_it_or_refused(idiom, include_buffers):
+    # the old code replayed without autocast: ReplayError (float32 where the build made
+    # bfloat16) or, where the build computed on meta, float32 tensors eager has bfloat16
+    build = AUTOCAST_BUILDS[idiom]
+    ref = build_eagerly(lambda: Built(build))
+    model = build_empty(lambda: Built(build), include_buffers)
+    outcome = assert_exact_or_refused(model, ref, because="autocast")
+    if not include_buffers:
+        assert outcome == "exact"
+
+
+def test_autocast_on_meta_tensors_is_refused_naming_it():
+    def init(m: nn.Module) -> None:
+        m.lin = nn.Linear(4, 4)
+        with _autocast():
+            m.register_buffer("y", m.lin.weight.detach() @ m.lin.weight.detach().T)
+
+    model = build_empty(lambda: Built(init))
+    assert_refused(model, "y", because=r"autocast\('cpu'\) on meta tensors")
+
+
+def test_an_init_function_under_autocast_on_meta_is_exact():
+    # in-place inits have no autocast kernel: eager's values, whatever the region
+    def init(m: nn.Module) -> None:
+        with _autocast():
+            m.lin = nn.Linear(4, 4)
+            nn.init.normal_(m.lin.weight, std=0.02)
+
+    assert_eager_equal(lambda: Built(init), False)
+
+
+# -- materialize under another thread state ----------------------------------------------
+
+
+def _matmul_param(m: nn.Module) -> None:
+    a = torch.randn(4, 4)
+    m.w = nn.Parameter(a @ a.T)
+
+
+def _conv_buffer(m: nn.Module) -> None:
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    m.register_buffer("y", F.conv2d(x, w))
+
+
+@contextmanager
+def _float16_autocast_ctx() -> Iterator[None]:
+    with torch.autocast("cpu", dtype=torch.float16):
+        yield
+
+
+AROUND: dict[str, Callable[[], AbstractContextManager]] = {
+    "autocast bfloat16": _autocast,
+    "autocast float16": _float16_autocast_ctx,
+    "enable_grad": torch.enable_grad,
+    "no_grad": torch.no_grad,
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("around", sorted(AROUND))
+@pytest.mark.parametrize("init", [_matmul_param, _conv_buffer])
+def test_materialize_replays_under_the_build_state_whatever_the_callers(
+    init, around, include_buffers
+):
+    # the old code: is_materializable said True, then materialize raised ReplayError
+    # (bfloat16 where the build made float32) inside autocast
+    ref = build_eagerly(lambda: Built(init))
+    model = build_empty(lambda: Built(init), include_buffers)
+    with AROUND[around]():
+        materialize_exactly(model, ref)
+    assert not torch.is_autocast_enabled("cpu") or around.startswith("autocast")
+
+
+def test_a_build_under_autocast_materialized_outside_it_and_inside_another():
+    ref = build_eagerly(lambda: Built(_matmul_in_autocast))
+    model = build_empty(lambda: Built(_matmul_in_autocast))
+    with torch.autocast("cpu", dtype=torch.float16):
+        materialize_exactly(model, ref)
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # torch's default, put back
+
+
+# -- the default dtype a result was promoted from --------------------------------------
+
+
+def _s4d(m: nn.Module) -> None:
+    n = 4
+    m.A = nn.Parameter(-0.5 + 1j * math.pi * torch.arange(n))  # S4D-Lin
+
+
+def _complex_scalar_times_int(m: nn.Module) -> None:
+    m.B = nn.Parameter(1j * torch.arange(4))
+
+
+def _exp_of_imaginary_positions(m: nn.Module) -> None:
+    m.register_buffer("rot", torch.exp(2j * math.pi * torch.arange(6) / 6))
+
+
+def _float_from_int(m: nn.Module) -> None:
+    m.register_buffer("halves", torch.arange(4) * 0.5)
+
+
+PROMOTED = {
+    "S4D -0.5 + 1j*pi*arange": _s4d,
+    "1j * arange": _complex_scalar_times_int,
+    "exp(2j*pi*arange/n)": _exp_of_imaginary_positions,
+    "arange * 0.5": _float_from_int,
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("idiom", sorted(PROMOTED))
+def test_a_result_promoted_from_the_default_dtype_is_refused_under_another(idiom, include_buffers):
+    # the old code let the complex ones through the check: ReplayError (complex64 where
+    # the build made complex128) at materialize
+    build = PROMOTED[idiom]
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = build_eagerly(lambda: Built(build))
+        model = build_empty(lambda: Built(build), include_buffers)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    outcome = assert_exact_or_refused(model, ref, because="default dtype")
+    if include_buffers or idiom in ("S4D -0.5 + 1j*pi*arange", "1j * arange"):
+        assert outcome == "refused"  # a meta tensor (a real buffer is eager's, and kept)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("idiom", sorted(PROMOTED))
+def test_a_result_promoted_from_the_default_dtype_is_exact_under_the_same(idiom, include_buffers):
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert_eager_equal(lambda: Built(PROMOTED[idiom]), include_buffers)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+# -- dispatch keys replay cannot reproduce ---------------------------------------------
+
+
+class _Doubling(TorchDispatchMode):
+    """Changes every matmul's result: what a dispatch mode may do."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default:
+            result = result * 2
+        return result
+
+
+def test_a_call_under_a_dispatch_mode_is_refused():
+    # the old code replayed it without the mode: values half of eager's
+    def init(m: nn.Module) -> None:
+        a = torch.randn(4, 4)
+        with _Doubling():
+            m.w = nn.Parameter(a @ a)
+
+    ref = build_eagerly(lambda: Built(init))
+    model = build_empty(lambda: Built(init))
+    assert torch.equal(ref.w, 2 * (lambda a: a @ a)(_first_randn()))
+    assert_refused(model, "w", because="dispatch keys")
+
+
+def _first_randn() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(4, 4)
+
+
+# -- torch.__future__: swapping parameters on conversion -----------------------------------
+
+
+@pytest.fixture
+def swapping() -> Iterator[None]:
+    """``Module._apply`` (``.double()``, ``.to()``) swaps each parameter in place with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def _cast_inside(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4)
+    m.lin.double()
+
+
+def _cast_inside_and_back(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4).double()
+    m.lin.float()
+    m.conv = nn.Conv1d(2, 2, 3).to(torch.float64)
+
+
+def _cast_then_init(m: nn.Module) -> None:
+    m.lin = nn.Linear(4, 4).double()
+    nn.init.normal_(m.lin.weight)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("init", [_cast_inside, _cast_inside_and_back, _cast_then_init])
+def test_a_cast_that_swaps_parameters_inside_the_build(swapping, init, include_buffers):
+    # the old code: "_apply(): Couldn't swap Linear.weight" in the build (its weak
+    # references to the parameters)
+    assert_eager_equal(lambda: Built(init), include_buffers)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_swaps_parameters_after_the_build_is_refused_by_reason(
+    swapping, include_buffers
+):
+    # the old code: "_apply(): Couldn't swap Linear.weight" after the block
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    weight = model.weight
+    model.double()
+    assert model.weight is weight and model.weight.dtype == torch.float64
+    assert_refused(model, "weight", "bias", because="materialize first, then cast")
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_swaps_parameters_after_materialize(swapping, include_buffers):
+    # the old code: "_apply(): Couldn't swap Linear.weight" after materialize (its weak
+    # reference to the installed tensor)
+    ref = build_eagerly(lambda: nn.Linear(4, 4))
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    materialize_exactly(model, ref)
+    weight = model.weight
+    model.double()
+    assert model.weight is weight
+    assert torch.equal(model.weight, ref.weight.double())
+
+
+def test_a_tie_materialized_in_two_steps_then_cast(swapping):
+    # the old code: "_apply(): Couldn't swap" (its weak reference to what it installed)
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight  # tied
+
+    ref = build_eagerly(Pair)
+    model = build_empty(Pair)
+    materialize_exactly(model.a)
+    materialize_exactly(model, ref)
+    model.double()
+    assert model.a.weight is model.b.weight
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_load_state_dict_assign_that_swaps_parameters_after_the_build(swapping, include_buffers):
+    # the old code: "Cannot swap t1 because it has weakref associated with it"
+    ref = build_eagerly(lambda: nn.Linear(4, 4))
+    model = build_empty(lambda: nn.Linear(4, 4), include_buffers)
+    weight = model.weight
+    model.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+    assert model.weight is weight and torch.equal(model.weight, ref.weight)
+    materialize_exactly(model, ref)  # nothing left on meta: nothing to do
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_cast_that_overwrites_parameters_inside_the_build(include_buffers):
+    def init(m: nn.Module) -> None:
+        m.lin = nn.Linear(4, 4)
+        m.lin.double()  # a new Parameter object in _parameters, no registration hook
+
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        assert_eager_equal(lambda: Built(init), include_buffers)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_materialize_inside_a_dispatch_mode_replays_without_it(include_buffers):
+    # the old code replayed through the caller's mode: every matmul doubled
+    ref = build_eagerly(lambda: Built(_matmul_param))
+    model = build_empty(lambda: Built(_matmul_param), include_buffers)
+    with _Doubling():
+        materialize_exactly(model, ref)
