@@ -295,14 +295,11 @@ def _from_config_in_a_window(originals: Mapping[str, Any]) -> dict[str, Any]:
             f"Please report this with the version."
         )
 
-    @functools.wraps(raw)
-    def _from_config(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if _requested_config_dtype(*args, **kwargs) is not None:
-            return raw(cls, *args, **kwargs)
-        with dtype_windows.dtype_window(dtype_windows.default_for_this_thread()):
-            return raw(cls, *args, **kwargs)
-
-    return {"_from_config": classmethod(_from_config)}
+    return {
+        "_from_config": closing_windows(
+            raw, lambda *args, **kwargs: _requested_config_dtype(*args, **kwargs) is None
+        )
+    }
 
 
 _TRANSFORMERS_FROM_CONFIG = ClassAttributeRebinding(
