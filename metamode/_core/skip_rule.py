@@ -104,13 +104,17 @@ def skipped_target(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """
     if not _is_value_initialising(func):
         return None
-    target, others = split_target(args, kwargs)
+    target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
     if not isinstance(target, torch.Tensor) or not target.is_meta:
         return None
     if not dispatches_plainly(type(target)):
         return None
-    if any(isinstance(value, torch.Tensor) for value in others):
-        return None
+    for value in args[1:] if args else ():
+        if isinstance(value, torch.Tensor):
+            return None
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and (args or (key != "tensor" and key != "self")):
+            return None
     if func in _METHODS and target.requires_grad and torch.is_grad_enabled():
         return None
     return target

@@ -37,11 +37,12 @@ _SERIALS = itertools.count()
 _SEQUENCE = itertools.count()  # orders calls across programs (threads, chained builds)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TensorRef:
     """A tensor argument or result: a view of storage ``storage`` of its program, with the
     conjugate and negative bits torch reads its values through (``x.conj()``, ``.imag``
-    of one: views that compute nothing until read)."""
+    of one: views that compute nothing until read). A value: never changed once made
+    (not frozen, which would cost every recorded tensor a slower constructor)."""
 
     storage: int
     dtype: torch.dtype

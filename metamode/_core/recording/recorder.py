@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import functools
 import inspect
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -537,8 +538,15 @@ class Recorder:
                 rest = self._capture(args[1:], [], generators) if len(args) > 1 else ()
                 captured_args = (ref, *rest)
             else:
-                captured_args = self._capture(args, [], generators)
-            captured_kwargs = self._capture(kwargs, [], generators) if kwargs else {}
+                captured_args = self._capture(args, [], generators) if args else ()
+            captured_kwargs = {}
+            for key, value in kwargs.items():  # torch.nn.init passes all by keyword
+                if type(value) in _IMMUTABLE:
+                    captured_kwargs[key] = value
+                elif value is target:
+                    captured_kwargs[key] = ref
+                else:
+                    captured_kwargs[key] = self._capture(value, [], generators)
             refused = None
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
@@ -656,8 +664,8 @@ class Recorder:
         drew_real: bool,
     ) -> None:
         program = self.program
-        index = len(program.calls)
         storages = program.storages
+        epochs = self._epochs
         state = thread_state.current()
         if state is not None:  # autocast, inference mode...: replayed under it, or refused
             call.state = state
@@ -672,6 +680,7 @@ class Recorder:
                 off = True
                 break
         if draws:
+            index = len(program.calls)
             for track, draw in draws:
                 if track is None:
                     continue
@@ -681,21 +690,25 @@ class Recorder:
                     off = off or drew_real
                 self._last_draw[track.stream] = index
             call.draws = tuple([draw for _, draw in draws])
-        if self._views:
-            for storage in call.writes:
-                if storage in self._views:
-                    self._apart(storage)
-        for storage in (*call.writes, *call.creates):
-            self._epochs[storage] += 1
-            info = program.storages[storage]
+        views = self._views
+        for storage in call.writes:
+            epochs[storage] += 1
+            if views and storage in views:
+                self._apart(storage)
+            info = storages[storage]
             if off and info.device != "meta":
                 info.off = True
             if info.outside is not None:
                 info.outside.written = True
                 info.outside.tensor = _NOTHING  # its first value is no longer needed
-        if self._memory.active:
-            for storage in call.writes:
+            if self._memory.active:
                 self._memory.written(storage)
+        for storage in call.creates:
+            epochs[storage] += 1
+            if off:
+                info = storages[storage]
+                if info.device != "meta":
+                    info.off = True
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))
@@ -704,7 +717,7 @@ class Recorder:
                     version = tensor._version
                 except RuntimeError:
                     version = -1
-                known[id(tensor)] = (seen[0], seen[1], version, self._epochs[seen[1].storage])
+                known[id(tensor)] = (seen[0], seen[1], version, epochs[seen[1].storage])
         program.calls.append(call)
 
     def _tracks(
@@ -1102,19 +1115,27 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 def _covers(ref: TensorRef, storages: list[Storage]) -> bool:
     """Whether ``ref`` is every byte of its storage, each once."""
-    numel = 1
-    for size in ref.size:
-        numel *= size
-    if ref.offset or numel * ref.dtype.itemsize != storages[ref.storage].nbytes:
+    size = ref.size
+    if ref.offset or math.prod(size) * ref.dtype.itemsize != storages[ref.storage].nbytes:
         return False
-    if _contiguous(ref):
+    if ref.stride == _contiguous_strides(size):
         return True
     expected = 1
-    for size, stride in sorted(zip(ref.size, ref.stride, strict=True), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
+    for extent, stride in sorted(zip(size, ref.stride, strict=True), key=lambda d: d[1]):
+        if extent != 1 and stride != expected:
             return False
-        expected *= size
+        expected *= extent
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    expected = 1
+    for extent in reversed(size):
+        strides.append(expected)
+        expected *= max(extent, 1)
+    return tuple(reversed(strides))
 
 
 def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:

@@ -107,9 +107,9 @@ def _defaults() -> tuple[int, int, int, int]:
 def current() -> ThreadState | None:
     """The state this thread's next torch call runs under; None for torch's default."""
     include, exclude = dispatch_include_set(), dispatch_exclude_set()
-    included, excluded = include.raw_repr(), exclude.raw_repr()
+    included = include.raw_repr()
     defaults = _DEFAULTS or _defaults()
-    if included == defaults[0] and excluded == defaults[1]:
+    if included == defaults[0] and exclude.raw_repr() == defaults[1]:
         return None
     autocast = []
     default_exclude = DispatchKeySet.from_raw_repr(defaults[1])
