@@ -29,6 +29,7 @@ __all__ = [
     "INIT_FUNCTION_NAMES",
     "OVERWRITING_METHOD_NAMES",
     "RANDOM_INIT_FUNCTION_NAMES",
+    "UNINITIALISED_FACTORY_NAMES",
     "VALUE_WRITING_METHOD_NAMES",
     "Fact",
     "MetaShortcut",
@@ -176,6 +177,17 @@ _QUERY_PROPERTIES = frozenset(
 )
 # Calls that may give a tensor another storage or geometry in place.
 _GEOMETRY_CHANGING = frozenset(["set_", "resize_", "resize_as_", "data"])
+# Factories whose result is uninitialised memory, which torch fills (NaN, or an integer
+# dtype's largest value) under torch.use_deterministic_algorithms(True) with
+# torch.utils.deterministic.fill_uninitialized_memory on.
+UNINITIALISED_FACTORY_NAMES = (
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "empty_permuted",
+    "new_empty",
+    "new_empty_strided",
+)
 
 # -- the table ----------------------------------------------------------------------
 
@@ -193,7 +205,8 @@ class Fact:
     returns the tensor's memory to code outside torch's dispatch (``numpy()``).
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
-    no version counter), so nothing states what it writes.
+    no version counter), so nothing states what it writes. ``uninitialised``: its result
+    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``).
     """
 
     name: str
@@ -208,6 +221,7 @@ class Fact:
     device: bool = False
     hands_out_memory: bool = False
     unstated: bool = False
+    uninitialised: bool = False
 
 
 _QUERY_FACT = Fact("query", query=True)
@@ -260,6 +274,7 @@ def _classify(func: Any) -> Fact:
         random=_random_op(name),
         generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
         factory=func in _factories(),
+        uninitialised=name in UNINITIALISED_FACTORY_NAMES and bool(ops),
         overwrites=name in OVERWRITING_METHOD_NAMES and _is_tensor_method(func),
         changes_geometry=name in _GEOMETRY_CHANGING
         or any(torch.Tag.inplace_view in op.tags for op in ops),

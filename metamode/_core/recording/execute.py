@@ -131,6 +131,8 @@ class _Run:
         if call.default_dtype is not None and call.default_dtype != default:
             raise ReplayError(f"the default dtype changed to {default} during materialize")
         result = call.func(*args, **kwargs)
+        if call.fills:
+            _fill_uninitialised(result)
         if not draws_only:
             _bind(call, result, serial, self.env, self.relaid)
         for draw, generator in zip(call.draws, generators, strict=True):
@@ -213,6 +215,17 @@ def _bind(
                 bind(s, v)
 
     bind(call.result, result)
+
+
+def _fill_uninitialised(result: Any) -> None:
+    """Fill ``result`` as torch fills uninitialised memory under deterministic algorithms:
+    NaN for floating and complex dtypes, the largest value for integers and bool."""
+    if result.is_floating_point() or result.is_complex():
+        result.fill_(float("nan"))
+    elif result.dtype == torch.bool:
+        result.fill_(True)
+    else:
+        result.fill_(torch.iinfo(result.dtype).max)
 
 
 def _relaid(value: torch.Tensor, spec: TensorRef) -> torch.Tensor:

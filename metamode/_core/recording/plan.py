@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metamode._core.recording import settings
 from metamode._core.recording.program import (
     Call,
     Origin,
@@ -178,6 +179,7 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
     fixed: dict[Key, str] = {}  # refused whatever is written to them later
     states: dict[DrawKey, str] = {}  # draws after which the generator state is unknown
     default_dtype = torch.get_default_dtype()
+    current = settings.now()
     for program in result.programs.values():
         for index, storage in enumerate(program.storages):
             if storage.pinned is not None:
@@ -200,6 +202,8 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
                 f"the build computed it under the default dtype {call.default_dtype}, and the "
                 f"process default is {default_dtype} now (torch.set_default_dtype elsewhere?)"
             )
+        if reason is None and reads and call.settings is not None and call.settings != current:
+            reason = _settings_reason(call.settings, current)
         for draw in call.draws:
             before = step.starts.get(draw.stream)
             why = reason
@@ -224,6 +228,16 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
         reason = _program_reason(program) or tainted.get(key)
         if reason is not None:
             result.refused[key] = reason
+
+
+def _settings_reason(then: settings.ProcessSettings, current: settings.ProcessSettings) -> str:
+    """Why a call that computed from tensor values under ``then`` cannot be replayed now."""
+    changed = ", ".join(then.differences(current))
+    return (
+        f"it was computed from tensor values under process-wide settings that differ now "
+        f"({changed}); torch keeps them per process, so replay does not change them: set "
+        f"them back around materialize"
+    )
 
 
 def _origin_reason(storage) -> str | None:

@@ -162,6 +162,10 @@ class Call:
     covers: int | None = None
     refused: str | None = None
     default_dtype: torch.dtype | None = None  # the result's dtype came from the default
+    # torch filled its uninitialised result (deterministic algorithms, fill on)
+    fills: bool = False
+    # the process-wide settings it computed from tensor values under (a ProcessSettings)
+    settings: Any = None
     state: Any = None  # the thread state it ran under (a ThreadState), None: torch's default
     seq: int = -1  # orders calls across programs (next(_SEQUENCE) when recorded)
 

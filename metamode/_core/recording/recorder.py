@@ -35,7 +35,7 @@ from metamode._core.facts import (
     stand_in_for,
     stand_in_rule,
 )
-from metamode._core.recording import registry, thread_state
+from metamode._core.recording import registry, settings, thread_state
 from metamode._core.recording.held import Held
 from metamode._core.recording.memory import ExternalMemory, Kept, external, refill
 from metamode._core.recording.program import (
@@ -50,7 +50,6 @@ from metamode._core.recording.program import (
     Storage,
     Stream,
     TensorRef,
-    _contiguous,
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
 from metamode._core.skip_rule import dispatches_plainly
@@ -382,7 +381,7 @@ class Recorder:
         if kwargs:
             _scan(tuple(kwargs.values()), tensors, generators)
         if fact.factory and not fact.random and not tensors and not generators:
-            return self._made(func, args, kwargs, runner)
+            return self._made(func, fact, args, kwargs, runner)
         if self._memory.active:
             self._reread(tensors)
         try:
@@ -442,6 +441,8 @@ class Recorder:
             result=captured_result,
             refused=refused or _subclass_refusal(tensors),
             default_dtype=_default_dtype_use(fact, kwargs, inputs, made),
+            fills=fact.uninitialised and bool(creates) and _fills_uninitialised(),
+            settings=settings.now() if inputs else None,
             seq=next(_SEQUENCE),
         )
         if fact.overwrites and inputs:
@@ -569,7 +570,7 @@ class Recorder:
         self._append(call, [target], draws, False)
         return target
 
-    def _made(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
+    def _made(self, func: Any, fact: Fact, args: tuple, kwargs: dict, runner: Runner) -> Any:
         """A factory call from arguments that are no tensors (``torch.empty``...)."""
         result, _ = runner.placed_call(func, args, kwargs)
         if not _is_tensor(type(result)):
@@ -593,6 +594,7 @@ class Recorder:
             creates=(ref.storage,),
             result=ref,
             refused=refused,
+            fills=fact.uninitialised and _fills_uninitialised(),
             seq=next(_SEQUENCE),
         )
         self._append(call, [], [], False)
@@ -1096,6 +1098,13 @@ def _copy_as(
     if neg:
         copy = neg_view(copy)
     return (copy.conj() if conj else copy).copy_(source)
+
+
+def _fills_uninitialised() -> bool:
+    """Whether torch fills the uninitialised memory its factories return now."""
+    return torch.are_deterministic_algorithms_enabled() and bool(
+        torch._C._get_deterministic_fill_uninitialized_memory()
+    )
 
 
 def _version(tensor: torch.Tensor) -> int:

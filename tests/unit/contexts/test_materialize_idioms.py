@@ -1901,12 +1901,6 @@ def deterministic_during_the_build():
     return build
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: torch.empty built under use_deterministic_algorithms(True) is NaN "
-    "in eager, but materialize outside that mode replays it as uninitialised memory (the "
-    "deterministic fill flag is not recorded)",
-)
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_empty_under_deterministic_mode_keeps_its_fill(
     deterministic_during_the_build, include_buffers

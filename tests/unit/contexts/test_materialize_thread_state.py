@@ -362,3 +362,142 @@ def test_materialize_inside_a_dispatch_mode_replays_without_it(include_buffers):
     model = build_empty(lambda: Built(_matmul_param), include_buffers)
     with _Doubling():
         materialize_exactly(model, ref)
+
+
+# -- deterministic algorithms: torch fills uninitialised memory -------------------------
+
+_UNINITIALISED: dict[str, Callable[[], torch.Tensor]] = {
+    "empty": lambda: torch.empty(2, 3),
+    "empty_like": lambda: torch.empty_like(torch.zeros(2, 3, dtype=torch.int32)),
+    "empty_strided": lambda: torch.empty_strided((2, 3), (1, 2), dtype=torch.float16),
+    "empty_permuted": lambda: torch.empty_permuted((2, 3), (1, 0), dtype=torch.complex64),
+    "new_empty": lambda: torch.zeros(1, dtype=torch.bfloat16).new_empty(2, 3),
+    "new_empty_strided": lambda: torch.zeros(1, dtype=torch.int64).new_empty_strided(
+        (2, 3), (3, 1)
+    ),
+}
+
+
+@contextmanager
+def _filling() -> Iterator[None]:
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def test_every_uninitialised_factory_is_listed():
+    from metamode._core.facts import UNINITIALISED_FACTORY_NAMES
+
+    assert sorted(_UNINITIALISED) == sorted(UNINITIALISED_FACTORY_NAMES)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("factory", sorted(_UNINITIALISED))
+def test_uninitialised_memory_torch_filled_in_the_build_is_filled_by_materialize(
+    factory, include_buffers
+):
+    def init(m: nn.Module) -> None:
+        with _filling():
+            m.filled = nn.Parameter(_UNINITIALISED[factory](), requires_grad=False)
+            m.register_buffer("also", _UNINITIALISED[factory]())
+
+    ref = build_eagerly(lambda: Built(init))
+    model = build_empty(lambda: Built(init), include_buffers)
+    materialize_exactly(model)  # outside deterministic mode: the fill is the build's
+    for name in ("filled", "also"):
+        got, want = getattr(model, name), getattr(ref, name)
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        bits = got.contiguous().view(torch.uint8)
+        assert torch.equal(bits, want.contiguous().view(torch.uint8)), name
+
+
+# -- process-wide settings: kept by the recording, compared at materialize ----------------
+
+# setting -> (set it, the value the build runs under, another value)
+_SETTINGS: dict[str, tuple[Callable[[object], None], object, object]] = {
+    "float32_matmul_precision": (torch.set_float32_matmul_precision, "medium", "highest"),
+    "intra_op_threads": (torch.set_num_threads, 1, 2),
+    "mkldnn": (lambda on: setattr(torch.backends.mkldnn, "enabled", on), False, True),
+}
+
+
+@contextmanager
+def _setting(name: str, value: object) -> Iterator[None]:
+    from metamode._core.recording.settings import now
+
+    before = getattr(now(), name)
+    _SETTINGS[name][0](value)
+    try:
+        yield
+    finally:
+        _SETTINGS[name][0](before)
+
+
+def _computed(m: nn.Module) -> None:
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    m.register_buffer("product", a @ b)
+    m.w = nn.Parameter(torch.randn(4096).sum().expand(2).clone())
+
+
+def _computed_names(include_buffers: bool) -> tuple[str, ...]:
+    """What ``_computed`` leaves on meta (params-only keeps its real buffer)."""
+    return ("product", "w") if include_buffers else ("w",)
+
+
+def test_every_process_setting_has_a_row():
+    from metamode._core.recording.settings import ProcessSettings
+
+    assert sorted(_SETTINGS) == sorted(ProcessSettings.__slots__)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("name", sorted(_SETTINGS))
+def test_a_process_setting_that_differs_at_materialize_refuses_computed_values(
+    name, include_buffers
+):
+    _, build_value, other = _SETTINGS[name]
+    with _setting(name, build_value):
+        ref = build_eagerly(lambda: Built(_computed))
+        model = build_empty(lambda: Built(_computed), include_buffers)
+    with _setting(name, other):
+        assert_refused(model, *_computed_names(include_buffers), because=name)
+    with _setting(name, build_value):
+        materialize_exactly(model, ref)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("name", sorted(_SETTINGS))
+def test_a_process_setting_does_not_refuse_values_that_do_not_depend_on_it(name, include_buffers):
+    _, build_value, other = _SETTINGS[name]
+
+    def made(m: nn.Module) -> None:
+        m.fc = nn.Linear(8, 8)
+        m.register_buffer("ids", torch.arange(8))
+
+    ref = build_eagerly(lambda: Built(made))
+    with _setting(name, build_value):
+        model = build_empty(lambda: Built(made), include_buffers)
+    with _setting(name, other):
+        materialize_exactly(model, ref)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_process_setting_changed_and_restored_during_the_build(include_buffers):
+    def changes(m: nn.Module) -> None:
+        with _setting("float32_matmul_precision", "medium"):
+            _computed(m)
+
+    ref = build_eagerly(lambda: Built(changes))
+    model = build_empty(lambda: Built(changes), include_buffers)
+    assert_refused(model, *_computed_names(include_buffers), because="matmul_precision")
+    with _setting("float32_matmul_precision", "medium"):
+        materialize_exactly(model, ref)
