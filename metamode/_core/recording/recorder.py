@@ -120,6 +120,9 @@ def _is_tensor(kind: type) -> bool:
     return known
 
 
+_UNSEEN = None  # what _TENSOR_TYPES answers for a type not yet classified
+
+
 class Recorder:
     """Builds one :class:`Program`; owned by the outermost replayable context of a thread,
     shared by the replayable contexts entered inside it."""
@@ -144,6 +147,7 @@ class Recorder:
         # storage -> the storages registered views were cut apart from (or into)
         self._views: dict[int, set[int]] = {}
         self._memory = ExternalMemory()  # storages whose memory torch does not own
+        self._real: set[int] = set()  # storages a recorded call created off meta
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
@@ -160,6 +164,8 @@ class Recorder:
             kept = Kept(tensor if snapshot is None else None)
             outside = Outside(kept, _version(tensor), storage._cdata, None, snapshot=snapshot)
         self.program.storages.append(Storage(origin, device, storage.nbytes(), call, outside))
+        if origin is Origin.CREATED and device != "meta":
+            self._real.add(index)
         if tensor.is_inference():
             self.program.storages[
                 index
@@ -302,7 +308,7 @@ class Recorder:
         kind = type(value)
         if kind in _IMMUTABLE:
             return value
-        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
+        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
             tensors.append(value)
             return self.ref(value, check=False)
         if kind is tuple:
@@ -342,7 +348,7 @@ class Recorder:
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
         kind = type(value)
-        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
+        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
             before = len(self.program.storages)
             ref = self.ref(value, creating_call=call)
             if len(self.program.storages) > before:
@@ -949,7 +955,7 @@ class Recorder:
         for tensor, entry in self._registered:
             entry.ref = self.ref(tensor)
             entry.version = _version(tensor)
-        versions = _real_versions(program, self._tensors)
+        versions = _real_versions(self._real, self._tensors)
         self._tensors = {}  # what it held: the storages only they kept alive go now
         self._registered = []
         program.live = {
@@ -957,7 +963,7 @@ class Recorder:
             for address, (index, keep) in self._storages.items()
             if not keep.expired()
         }
-        program.made = _made_here(program, versions)
+        program.made = _made_here(program, self._real, versions)
         if program.state is ProgramState.RECORDING:
             program.state = ProgramState.CLOSED
         registry.closed(program)
@@ -992,7 +998,7 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
         kind = type(value)
         if kind in _IMMUTABLE:
             continue
-        if _TENSOR_TYPES.get(kind) or _is_tensor(kind):
+        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
             tensors.append(value)
         elif kind is tuple or kind is list:
             _scan(value, tensors, generators)
@@ -1020,30 +1026,29 @@ def _set_to_itself(tensor: torch.Tensor) -> bool:
 
 
 def _real_versions(
-    program: Program, tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]]
+    real: set[int], tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]]
 ) -> dict[int, set[int]]:
-    """Storage index -> the version counters seen on the recording's tensors of each real
-    storage a recorded call created."""
+    """Storage index -> the version counters seen on the recording's tensors of each of
+    the ``real`` storages (those a recorded call created off meta)."""
     versions: dict[int, set[int]] = {}
-    for _, ref, version, _ in tensors.values():
-        storage = program.storages[ref.storage]
-        if storage.origin is Origin.CREATED and storage.device != "meta":
-            versions.setdefault(ref.storage, set()).add(version)
+    if real:
+        for _, ref, version, _ in tensors.values():
+            if ref.storage in real:
+                versions.setdefault(ref.storage, set()).add(version)
     return versions
 
 
 def _made_here(
-    program: Program, versions: dict[int, set[int]]
+    program: Program, real: set[int], versions: dict[int, set[int]]
 ) -> dict[int, tuple[int, frozenset[int]]]:
-    """Real storages a recorded call created that are still alive: address -> (index, the
-    version counters seen on their tensors, from :func:`_real_versions`), so a real tensor
-    a module holds without a registration (``module._buffers[k] = t``) is known as the
-    build's."""
+    """The ``real`` storages (a recorded call created them off meta) still alive: address
+    -> (index, the version counters seen on their tensors, from :func:`_real_versions`), so
+    a real tensor a module holds without a registration (``module._buffers[k] = t``) is
+    known as the build's."""
     return {
         address: (index, frozenset(versions.get(index, ())))
         for address, (index, _) in program.live.items()
-        if program.storages[index].origin is Origin.CREATED
-        and program.storages[index].device != "meta"
+        if index in real
     }
 
 
