@@ -42,12 +42,15 @@ class NotMaterializableError(RuntimeError):
 
 @dataclass(slots=True)
 class _Slot:
-    """One tensor of the module, wherever it sits (tied tensors are one slot)."""
+    """One tensor of the module, wherever it sits (tied tensors are one slot): registered
+    (``homes``), or held as a plain attribute or in a list, tuple or dict attribute
+    (``places``: the container and the key there)."""
 
     tensor: torch.Tensor
     kind: str
     names: list[str] = field(default_factory=list)
     homes: list[tuple[nn.Module, str]] = field(default_factory=list)
+    places: list[tuple[Any, Any]] = field(default_factory=list)
     entry: Entry | None = None
     reason: str | None = None  # why it is refused
     wanted: bool = False
@@ -61,6 +64,7 @@ class _Slot:
 
 def _slots(module: nn.Module) -> list[_Slot]:
     slots: dict[int, _Slot] = {}
+    attributes: list[tuple[torch.Tensor, Any, Any, str]] = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
             for name, tensor in table.items():
@@ -73,7 +77,46 @@ def _slots(module: nn.Module) -> list[_Slot]:
                 if qualname not in slot.names:
                     slot.names.append(qualname)
                 slot.homes.append((sub, name))
+        attributes += _attributes(sub, prefix)
+    # after every registered one: a tensor both registered and held is that registration's
+    for tensor, container, key, qualname in attributes:
+        slot = slots.get(id(tensor))
+        if slot is None:
+            slot = slots[id(tensor)] = _Slot(tensor, "attribute")
+        if qualname not in slot.names:
+            slot.names.append(qualname)
+        slot.places.append((container, key))
     return list(slots.values())
+
+
+_REGISTERED = frozenset(["_parameters", "_buffers", "_modules"])
+
+
+def _attributes(sub: nn.Module, prefix: str) -> list[tuple[torch.Tensor, Any, Any, str]]:
+    """The tensors ``sub`` holds outside its parameters and buffers: as plain attributes
+    (``module.weight = t`` for a name not registered, as the old ``weight_norm`` and
+    ``spectral_norm`` do), and as the items of a list, tuple or dict attribute, one level
+    deep; each with its container, its key there and its qualified name."""
+    found: list[tuple[torch.Tensor, Any, Any, str]] = []
+    for name, value in vars(sub).items():
+        qualname = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, torch.Tensor):
+            if _held(value):
+                found.append((value, vars(sub), name, qualname))
+        elif type(value) in (list, tuple) and name not in _REGISTERED:
+            for index, item in enumerate(value):
+                if isinstance(item, torch.Tensor) and _held(item):
+                    found.append((item, value, index, f"{qualname}[{index}]"))
+        elif type(value) is dict and name not in _REGISTERED:
+            for key, item in value.items():
+                if isinstance(item, torch.Tensor) and _held(item):
+                    found.append((item, value, key, f"{qualname}[{key!r}]"))
+    return found
+
+
+def _held(tensor: torch.Tensor) -> bool:
+    """Whether materialize looks after ``tensor`` where a module holds it unregistered."""
+    return tensor.layout is torch.strided and not _is_dtensor(tensor) and not _lazy(tensor)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -185,6 +228,18 @@ def _changed(slot: _Slot) -> str | None:
     return None
 
 
+def _fixed_place(slot: _Slot) -> str | None:
+    """Why a new tensor cannot be put where ``slot``'s tensor is held, if so."""
+    if slot.kind == "parameter" and not slot.tensor.is_meta:
+        return None  # swapped in place: every holder keeps the same object
+    if any(type(container) is tuple for container, _ in slot.places):
+        return (
+            "the module holds it in a tuple attribute, which materialize cannot put its "
+            "new tensor into; hold it in a list, or register it (register_buffer)"
+        )
+    return None
+
+
 def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     """Every slot of ``module`` with why it is refused, and the plan for the wanted ones."""
     slots = _slots(module)
@@ -200,6 +255,13 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
                     "replaced after the block (a cast under torch.__future__."
                     "set_swap_module_params_on_conversion(True) swaps in another tensor, "
                     "or an assignment); materialize first, then cast"
+                )
+            elif tensor.is_meta and slot.kind == "attribute":
+                slot.reason = (
+                    "the module holds this meta tensor as an attribute, and no "
+                    "metamode.empty_weights(replayable=True) recording made it (made under "
+                    "torch.device('meta') or a non-replayable context, or assigned after "
+                    "the context?); make it inside the context, or after materialize"
                 )
             elif tensor.is_meta:
                 slot.reason = (
@@ -224,7 +286,7 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         storage = entry.program.storages[entry.ref.storage]
         if real and not storage.off and entry.program.diverged is None:
             continue  # the build computed exactly eager's value: keep it
-        slot.reason = _changed(slot)
+        slot.reason = _changed(slot) or _fixed_place(slot)
         slot.wanted = slot.reason is None
     for slot in slots:
         if slot.wanted:
@@ -360,7 +422,7 @@ def materialize(
             for slot in slots:
                 if slot.shares is not None and slot.wanted:
                     replaced = _REPLACED.get(slot.tensor)
-                    if replaced is not None and slot.kind == "buffer":
+                    if replaced is not None and slot.kind != "parameter":
                         install.buffer(slot, replaced)
                     else:
                         install.storage([slot], slot.shares, {})
@@ -401,32 +463,45 @@ class _Installer:
             storage = whole.to(self.device).untyped_storage()
         for slot in slots:
             ref = slot.entry.ref
-            value = relaid.get(ref)
-            if value is not None:  # eager's layout of this very result
-                value = value.to(self.device)
-            else:
-                value = recording.with_bits(
-                    torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-                        storage, ref.offset, ref.size, ref.stride
-                    ),
-                    ref,
-                )
-            installed = self._put(slot, value)
+            # eager's is an inference tensor where the build's is (made under inference mode)
+            with torch.inference_mode(slot.tensor.is_inference()):
+                value = relaid.get(ref)
+                if value is not None:  # eager's layout of this very result
+                    value = value.to(self.device)
+                else:
+                    value = recording.with_bits(
+                        torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+                            storage, ref.offset, ref.size, ref.stride
+                        ),
+                        ref,
+                    )
+                installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
             # the memory, weakly: a weak reference to the tensor would stop swap_tensors
             shared[ref.storage] = StorageWeakRef(installed.untyped_storage())
             self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:
-        """Put ``new`` where ``slot``'s buffer sits. A module outside the one materialized
-        may hold it too: a later materialize puts ``new`` there as well."""
+        """Put ``new`` where ``slot``'s buffer (or unregistered tensor) sits. A module
+        outside the one materialized may hold it too: a later materialize puts ``new``
+        there as well."""
         for home, name in slot.homes:
             old = home._buffers[name]
             home._buffers[name] = new
             self._undo.append(functools.partial(home._buffers.__setitem__, name, old))
+        self._places(slot, new)
         _REPLACED[slot.tensor] = new
         self._undo.append(functools.partial(_REPLACED.pop, slot.tensor, None))
         return new
+
+    def _places(self, slot: _Slot, new: torch.Tensor) -> None:
+        """Put ``new`` where the module holds ``slot``'s tensor unregistered."""
+        for container, key in slot.places:
+            if type(container) is tuple:
+                continue  # refused when wanted; left as it is when emptied
+            old = container[key]
+            container[key] = new
+            self._undo.append(functools.partial(container.__setitem__, key, old))
 
     def uninitialised(self, slot: _Slot) -> None:
         """A lazy module's uninitialised tensor, recreated on the device (what eager
@@ -452,7 +527,7 @@ class _Installer:
         if _is_dtensor(tensor):
             value = _local_shard(tensor, value)
             self._sharded.add(id(tensor))
-        if slot.kind == "buffer" and not _is_dtensor(tensor):
+        if slot.kind != "parameter" and not _is_dtensor(tensor):
             new_buffer = value.detach()
             if type(tensor) is not torch.Tensor:  # a tensor subclass: keep its class
                 new_buffer = _torch.make_subclass(type(tensor), new_buffer, False)
@@ -478,6 +553,7 @@ class _Installer:
                 old = home._parameters[name]
                 home._parameters[name] = new  # type: ignore[assignment]
                 self._undo.append(functools.partial(home._parameters.__setitem__, name, old))
+            self._places(slot, new)
         for rnn in rnns:
             rnn._init_flat_weights()
         return new

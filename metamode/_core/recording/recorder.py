@@ -394,6 +394,7 @@ class Recorder:
             versions = [t._version for t in tensors]
         except RuntimeError:  # an inference tensor among them
             versions = [_version(t) for t in tensors]
+            self._inference_arguments(tensors)
         before = [self.ref(t) for t in tensors] if fact.changes_geometry or fact.random else None
         if before is None:
             self._check_writes(tensors, versions)
@@ -499,6 +500,17 @@ class Recorder:
         )
         self._append(call, tensors, [], False)
         return result
+
+    def _inference_arguments(self, tensors: list[torch.Tensor]) -> None:
+        """A call is about to take inference tensors: under inference mode it may write
+        them, and an inference tensor has no version counter to show that, so their values
+        are unknown from here on (outside inference mode torch refuses to write them)."""
+        if not torch.is_inference_mode_enabled():
+            return
+        for tensor in tensors:
+            if tensor.is_inference() and tensor.layout is torch.strided:
+                info = self.program.storages[self.ref(tensor).storage]
+                info.pinned = info.pinned or _INFERENCE_ARGUMENT
 
     def _reread(self, tensors: list[torch.Tensor]) -> None:
         """Record, as writes of their bytes, changes to memory torch does not own that the
@@ -1052,6 +1064,13 @@ def _made_here(
     }
 
 
+_INFERENCE_ARGUMENT = (
+    "it is, or was computed from, an inference tensor that a torch call under "
+    "torch.inference_mode() took as an argument: an inference tensor has no version "
+    "counter, so whether that call wrote it cannot be known; compute it under "
+    "torch.no_grad() instead (the same values), or make it with one call from "
+    "non-inference tensors under inference mode"
+)
 _BUFFERS = frozenset([array.array, bytearray, memoryview])
 _COPIES = torch.tensor  # "torch.tensor() always copies data" (torch's documentation)
 

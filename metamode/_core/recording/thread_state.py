@@ -8,9 +8,12 @@ it; inference mode, dispatch modes (``TorchDispatchMode``) and functorch transfo
 keys too. A recorded call keeps the state it ran under when it is not torch's default
 (a fresh thread's), and replay runs every call under its own recorded state, whatever the
 state of the thread that materializes (``materialize`` inside ``torch.autocast``).
-Inference mode changes no value (its results are refused for want of a version counter,
-on their own); any other key a call ran under (a dispatch mode, a functorch transform)
-refuses the call: replay cannot do what that code did.
+Inference mode changes no value, only the kind of tensor a call makes: a call recorded
+under it is replayed under ``torch.inference_mode()``, so its results are inference
+tensors as eager's are (an inference tensor has no version counter: the recorder pins one
+that a call under inference mode takes as an argument, since that call may write it
+unseen). Any other key a call ran under (a dispatch mode, a functorch transform) refuses
+the call: replay cannot do what that code did.
 
 Grad mode changes no value and replay runs under ``torch.no_grad()``; the default dtype
 is process-wide, so a call whose result's dtype it decided keeps it and is refused when
@@ -62,16 +65,20 @@ _AUTOCAST_KEYS: dict[str, Any] = {
 @dataclass(frozen=True, slots=True)
 class ThreadState:
     """A thread state other than torch's default: the devices with autocast on, each with
-    its autocast dtype, and why the state cannot be replayed (if so)."""
+    its autocast dtype, whether inference mode is on, and why the state cannot be replayed
+    (if so)."""
 
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     refused: str | None = None
+    inference: bool = False
 
     def __repr__(self) -> str:
-        on = ", ".join(
-            f"{device}:{str(dtype).removeprefix('torch.')}" for device, dtype in self.autocast
-        )
-        return f"<autocast {on}>" if not self.refused else f"<refused: {self.refused}>"
+        if self.refused:
+            return f"<refused: {self.refused}>"
+        on = [f"{device}:{str(dtype).removeprefix('torch.')}" for device, dtype in self.autocast]
+        if self.inference:
+            on.append("inference mode")
+        return f"<{', '.join(on)}>"
 
 
 _DEFAULTS: tuple[int, int, int, int] | None = None
@@ -119,7 +126,8 @@ def current() -> ThreadState | None:
             exclude = exclude.add(key)
     rest = (included, exclude.raw_repr())
     refused = None
-    if rest not in ((defaults[0], defaults[1]), (defaults[2], defaults[3])):
+    inference = rest == (defaults[2], defaults[3])
+    if not inference and rest != (defaults[0], defaults[1]):
         added = DispatchKeySet.from_raw_repr(included & ~defaults[0])
         removed = DispatchKeySet.from_raw_repr(rest[1] & ~defaults[1])
         refused = (
@@ -127,7 +135,7 @@ def current() -> ThreadState | None:
             f"{removed}: a TorchDispatchMode or a functorch transform?), whose effect on "
             f"its result replay cannot reproduce; build outside it"
         )
-    return ThreadState(tuple(autocast), refused)
+    return ThreadState(tuple(autocast), refused, inference)
 
 
 def autocast_on_meta(state: ThreadState, func: Any, tensors: list[torch.Tensor]) -> str | None:
@@ -167,17 +175,20 @@ def _autocast_cpu_op(name: str) -> bool:
 
 @contextlib.contextmanager
 def replaying(state: ThreadState | None) -> Iterator[None]:
-    """Run the block under ``state`` (torch's default for None), whatever this thread's."""
+    """Run the block under ``state`` (torch's default for None), whatever this thread's.
+    Under a state with inference mode on, torch's inference mode is entered too: it, not
+    the dispatch keys, makes new tensors inference tensors."""
     defaults = _defaults()
-    include = DispatchKeySet.from_raw_repr(defaults[0])
-    exclude = DispatchKeySet.from_raw_repr(defaults[1])
+    inference = state is not None and state.inference
+    include = DispatchKeySet.from_raw_repr(defaults[2] if inference else defaults[0])
+    exclude = DispatchKeySet.from_raw_repr(defaults[3] if inference else defaults[1])
     previous: list[tuple[str, torch.dtype]] = []
     try:
         for device, dtype in state.autocast if state is not None else ():
             exclude = exclude.remove(_AUTOCAST_KEYS[device])
             previous.append((device, torch.get_autocast_dtype(device)))
             torch.set_autocast_dtype(device, dtype)
-        with force_dispatch_keys(include, exclude):
+        with torch.inference_mode(inference), force_dispatch_keys(include, exclude):
             yield
     finally:
         for device, dtype in reversed(previous):

@@ -22,6 +22,7 @@ from tests.unit.contexts.materialize_checks import (
     build_eagerly,
     build_empty,
     materialize_exactly,
+    named,
 )
 
 
@@ -122,3 +123,93 @@ def test_a_submodule_with_an_unregistered_tensor_alone():
     metamode.materialize(model.after)
     assert torch.equal(model.after.weight, ref.after.weight)
     materialize_exactly(model, ref)
+
+
+# -- tensors a module holds unregistered: plain attributes, list and dict items -------------
+
+
+def _held_at(model: nn.Module, path: str) -> torch.Tensor:
+    """``model``'s tensor at ``path`` (``"sub.name"``, ``"name[0]"``, ``"name['k']"``)."""
+    attribute, _, key = path.partition("[")
+    *modules, name = attribute.split(".")
+    holder = model
+    for sub in modules:
+        holder = getattr(holder, sub)
+    value = vars(holder)[name]
+    return value[eval(key[:-1])] if key else value
+
+
+class HoldsAttributes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)  # params-only: its draws are skipped, the stream shifts
+        self.register_buffer("table", torch.arange(3.0))
+        self.scaled = self.lin.weight * 2  # computed with autograd from a parameter
+        self.alias = self.lin.weight.data  # shares the parameter's memory
+        self.same = self.table  # the buffer itself
+        self.noise = torch.randn(3)  # drawn after the skipped init
+        self.listed = [torch.rand(2), self.lin.bias.detach() + 1, "not a tensor"]
+        self.mapped = {"a": torch.randn(2, 2).t(), "b": self.lin.weight.detach()[0]}
+        self.inner = nn.Module()
+        self.inner.cached = torch.outer(self.table, self.table)
+        self.after = nn.Linear(3, 3)
+
+
+HELD = ["scaled", "alias", "same", "noise", "listed[0]", "listed[1]", "mapped['a']"]
+HELD += ["mapped['b']", "inner.cached"]
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_tensors_held_as_attributes_and_in_lists_get_their_eager_values(include_buffers):
+    ref = build_eagerly(HoldsAttributes)
+    model = build_empty(HoldsAttributes, include_buffers)
+    materialize_exactly(model, ref)
+    for path in HELD:
+        got, want = _held_at(model, path), _held_at(ref, path)
+        assert not got.is_meta, f"{path} is still on meta"
+        assert got.dtype == want.dtype and got.stride() == want.stride(), path
+        assert torch.equal(got, want), f"{path}: values differ from eager"
+        assert got.requires_grad == want.requires_grad, path
+    assert model.same is model.table
+    assert model.alias.untyped_storage().data_ptr() == model.lin.weight.data_ptr()
+    assert model.listed[2] == "not a tensor"
+
+
+class HoldsATuple(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.pair = (self.lin.weight * 2, torch.zeros(1))
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_meta_tensor_held_in_a_tuple_is_refused_by_name(include_buffers):
+    model = build_empty(HoldsATuple, include_buffers)
+    pair = model.pair
+    message = assert_refused(model, because="tuple attribute")
+    assert named(message, "pair[0]")
+    assert model.pair is pair and model.pair[0].is_meta
+
+
+def test_a_meta_attribute_no_recording_made_is_refused_by_name():
+    with torch.device("meta"):
+        outside = torch.ones(3)
+
+    class HoldsForeign(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.inner = nn.Module()
+            self.inner.foreign = outside
+
+    model = build_empty(HoldsForeign)
+    message = assert_refused(model, because="no metamode.empty_weights")
+    assert named(message, "inner.foreign")
+    assert model.inner.foreign is outside
+
+
+def test_an_attribute_written_after_the_block_is_refused():
+    model = build_empty(HoldsAttributes)
+    model.noise.add_(1.0)
+    message = assert_refused(model, because="written after")
+    assert named(message, "noise")

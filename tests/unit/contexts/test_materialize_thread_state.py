@@ -24,6 +24,7 @@ from tests.unit.contexts.materialize_checks import (
     build_eagerly,
     build_empty,
     materialize_exactly,
+    tensors,
 )
 
 
@@ -501,3 +502,78 @@ def test_a_process_setting_changed_and_restored_during_the_build(include_buffers
     assert_refused(model, *_computed_names(include_buffers), because="matmul_precision")
     with _setting("float32_matmul_precision", "medium"):
         materialize_exactly(model, ref)
+
+
+# -- inference mode in the build ---------------------------------------------------------
+# A call under torch.inference_mode() makes inference tensors; eager's are, so replay runs
+# it under inference mode too. An inference tensor has no version counter: one that a call
+# under inference mode takes as an argument may have been written there unseen.
+
+
+def _inference_factories(m: nn.Module) -> None:
+    with torch.inference_mode():
+        m.register_buffer("ones", torch.ones(2, 3))
+        m.register_buffer("drawn", torch.randn(4))
+        m.w = nn.Parameter(torch.full((3,), 2.0))
+        m.frozen = nn.Parameter(torch.rand(2), requires_grad=False)
+
+
+def _inference_computed(m: nn.Module) -> None:
+    x, w = torch.arange(4.0), torch.randn(3)
+    with torch.inference_mode():
+        m.register_buffer("table", torch.outer(x, w))
+        m.register_buffer("halved", x.to(torch.float16))
+        m.w = nn.Parameter(x.exp())
+
+
+def _inference_after_a_skipped_init(m: nn.Module) -> None:
+    m.lin = nn.Linear(3, 3)  # params-only: its draws are skipped, the real stream shifts
+    with torch.inference_mode():
+        m.register_buffer("noise", torch.randn(3))
+
+
+INFERENCE_EXACT = {
+    "factories": _inference_factories,
+    "computed from ordinary tensors": _inference_computed,
+    "drawn after a skipped init": _inference_after_a_skipped_init,
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("build", sorted(INFERENCE_EXACT))
+def test_tensors_made_under_inference_mode_are_eagers_inference_tensors(build, include_buffers):
+    model = assert_eager_equal(lambda: Built(INFERENCE_EXACT[build]), include_buffers)
+    assert any(t.is_inference() for t in tensors(model).values())
+    assert not model.after.weight.is_inference()
+
+
+def _inference_chain(m: nn.Module) -> None:
+    with torch.inference_mode():
+        m.register_buffer("b", torch.arange(4).float())  # .float() takes an inference tensor
+        m.w = nn.Parameter(torch.arange(3.0).exp())
+
+
+def _inference_written_in_place(m: nn.Module) -> None:
+    with torch.inference_mode():
+        t = torch.zeros(3)
+        t.add_(1.0)
+        t[0] = 5.0
+        m.register_buffer("b", t)
+    m.w = nn.Parameter(t * 2)  # an ordinary tensor computed from a written inference one
+
+
+INFERENCE_REFUSED = {"a chain": _inference_chain, "written in place": _inference_written_in_place}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("build", sorted(INFERENCE_REFUSED))
+def test_inference_tensors_taken_by_calls_under_inference_mode_are_refused(build, include_buffers):
+    """Refused where meta (the parameter; the buffer with ``include_buffers``); a real buffer
+    the build computed is eager's and kept."""
+    init = INFERENCE_REFUSED[build]
+    model = build_empty(lambda: Built(init), include_buffers)
+    names = ("w", "b") if include_buffers else ("w",)
+    assert_refused(model, *names, because=r"inference tensor that a torch call under")
+    if not include_buffers:
+        ref = build_eagerly(lambda: Built(init))
+        assert model.b.is_inference() and torch.equal(model.b, ref.b)
