@@ -531,6 +531,7 @@ class _Installer:
             new_buffer = value.detach()
             if type(tensor) is not torch.Tensor:  # a tensor subclass: keep its class
                 new_buffer = _torch.make_subclass(type(tensor), new_buffer, False)
+            if tensor.__dict__:  # Python attributes set on it (a tag, a flag)
                 new_buffer.__dict__ = dict(tensor.__dict__)
             if new_buffer.is_floating_point() or new_buffer.is_complex():
                 new_buffer.requires_grad_(tensor.requires_grad)

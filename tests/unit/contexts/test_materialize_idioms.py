@@ -1796,11 +1796,6 @@ def test_attributes_set_on_parameters_survive_materialize(include_buffers):
     assert model.fc.bias._no_reinit is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: a buffer is replaced by a new tensor object, so a Python "
-    "attribute set on it in the build (eager keeps it) is gone after materialize",
-)
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_attributes_set_on_buffers_survive_materialize(include_buffers):
     model = build_empty(lambda: Built(_torch_parameter_attributes), include_buffers)
