@@ -30,9 +30,11 @@ __all__ = [
     "OVERWRITING_METHOD_NAMES",
     "RANDOM_INIT_FUNCTION_NAMES",
     "UNINITIALISED_FACTORY_NAMES",
+    "UNSTATED_WRITES",
     "VALUE_WRITING_METHOD_NAMES",
     "Fact",
     "MetaShortcut",
+    "UnversionedWrites",
     "fact_of",
     "meta_branch",
     "meta_shortcut",
@@ -124,6 +126,14 @@ _QUERY_METHODS = frozenset(
 _MEMORY_HANDING_METHODS = frozenset(
     ["numpy", "__array__", "__dlpack__", "data_ptr", "untyped_storage", "storage", "_storage"]
 )
+# ... of which those that tell where the memory is: every meta tensor's address is 0, so a
+# build comparing addresses (``a.data_ptr() == b.data_ptr()``, ``untyped_storage().data_ptr()``)
+# finds shared memory where eager construction finds none.
+_ADDRESS_METHODS = frozenset(["data_ptr", "untyped_storage", "storage", "_storage"])
+# Properties of a tensor's placement whose answer on meta differs from the CPU's, where eager
+# construction makes the tensor (``is_meta``, and ``is_cpu``; ``is_cuda``, ``is_mps``... say
+# False on both).
+_PLACEMENT_PROPERTIES = frozenset(["is_meta", "is_cpu"])
 # torch functions of the same kind (read metadata or process state, no tensor values)
 _QUERY_FUNCTIONS = frozenset(
     [
@@ -188,6 +198,24 @@ UNINITIALISED_FACTORY_NAMES = (
     "new_empty",
     "new_empty_strided",
 )
+# torch functions (Python functions of torch's and aten ops, by name) that update running
+# statistics in place although their schema marks no argument written (``Tensor?``, not
+# ``Tensor(a!)``) and that move no version counter doing it: name -> (the argument that must
+# be true for the update, None when it always updates; the arguments updated). Each
+# function's own signature or schema says where the arguments are.
+# ``instance_norm`` is not here: it updates its running statistics with ``copy_``, which
+# moves their version counters.
+UNSTATED_WRITES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    # torch.nn.functional.batch_norm and torch.batch_norm
+    "batch_norm": ("training", ("running_mean", "running_var")),
+    "native_batch_norm": ("training", ("running_mean", "running_var")),
+    "_batch_norm_impl_index": ("training", ("running_mean", "running_var")),
+    "cudnn_batch_norm": ("training", ("running_mean", "running_var")),
+    "miopen_batch_norm": ("training", ("running_mean", "running_var")),
+    "batch_norm_update_stats": (None, ("running_mean", "running_var")),
+    "batch_norm_gather_stats": (None, ("running_mean", "running_var")),
+    "batch_norm_gather_stats_with_counts": (None, ("running_mean", "running_var")),
+}
 
 # -- the table ----------------------------------------------------------------------
 
@@ -201,12 +229,16 @@ class Fact:
     from arguments that are not tensors (torch's device-constructor list). ``overwrites``:
     writes its first argument without reading its values. ``init``: a ``torch.nn.init``
     function. ``changes_geometry``: may give a tensor argument another storage, shape or
-    strides in place. ``is_meta``, ``device``: a read of that property. ``hands_out_memory``:
-    returns the tensor's memory to code outside torch's dispatch (``numpy()``).
+    strides in place. ``is_meta``, ``device``: a read of that property; ``placement``: a read
+    of a property that answers otherwise on meta than on the CPU (``is_meta``, ``is_cpu``).
+    ``hands_out_memory``: returns the tensor's memory to code outside torch's dispatch
+    (``numpy()``); ``addresses``: tells where that memory is (``data_ptr()``).
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
     no version counter), so nothing states what it writes. ``uninitialised``: its result
-    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``).
+    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``). ``unversioned``: the
+    tensor arguments it writes in place without moving their version counters (running
+    statistics), or None.
     """
 
     name: str
@@ -219,9 +251,37 @@ class Fact:
     changes_geometry: bool = False
     is_meta: bool = False
     device: bool = False
+    placement: bool = False
     hands_out_memory: bool = False
+    addresses: bool = False
     unstated: bool = False
     uninitialised: bool = False
+    unversioned: UnversionedWrites | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnversionedWrites:
+    """Where the tensor arguments a call writes without moving their version counters are:
+    ``written`` as (position, name) pairs, and ``flag``, (position, name, default) of the
+    argument that must be true for the write, or None when the call always writes."""
+
+    written: tuple[tuple[int, str], ...]
+    flag: tuple[int, str, Any] | None = None
+
+    def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors a call with ``args`` and ``kwargs`` writes so."""
+        if self.flag is not None:
+            position, name, default = self.flag
+            value = args[position] if position < len(args) else kwargs.get(name, default)
+            if value is False:  # anything else (a tensor, a SymBool) may be true
+                return []
+        found: list[torch.Tensor] = []
+        for position, name in self.written:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for each in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(each, torch.Tensor):
+                    found.append(each)
+        return found
 
 
 _QUERY_FACT = Fact("query", query=True)
@@ -244,8 +304,8 @@ def _classify(func: Any) -> Fact:
         return _QUERY_FACT  # torch.device(...), torch.Size(...)
     if name in ("__get__", "__set__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
-        if name == "__get__" and prop == "is_meta":
-            return Fact("is_meta", query=True, is_meta=True)
+        if name == "__get__" and prop in _PLACEMENT_PROPERTIES:
+            return Fact(prop, query=True, is_meta=prop == "is_meta", placement=True)
         if name == "__get__" and prop == "device":
             return Fact("device", query=True, device=True)
         if name == "__get__" and prop in _QUERY_PROPERTIES:
@@ -256,7 +316,7 @@ def _classify(func: Any) -> Fact:
     if name in _MEMORY_HANDING_METHODS and (
         _is_tensor_method(func) or getattr(torch.Tensor, name, None) is func
     ):
-        return Fact(name, query=True, hands_out_memory=True)
+        return Fact(name, query=True, hands_out_memory=True, addresses=name in _ADDRESS_METHODS)
     if name in _QUERY_FUNCTIONS and type(func) is not FunctionType:
         return _QUERY_FACT
     if (
@@ -271,6 +331,7 @@ def _classify(func: Any) -> Fact:
     ops = _aten_overloads(name)
     return Fact(
         name,
+        unversioned=_unversioned_writes(func, name, [op._schema for op in ops]),
         random=_random_op(name),
         generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
         factory=func in _factories(),
@@ -291,7 +352,47 @@ def _python_fact(func: FunctionType, name: str) -> Fact:
         generator="generator" in parameters,
         overwrites=init and name in INIT_FUNCTION_NAMES,
         init=init,
+        unversioned=_unversioned_writes(func, name, []),
     )
+
+
+def _unversioned_writes(func: Any, name: str, schemas: list[Any]) -> UnversionedWrites | None:
+    """Where ``func`` writes tensor arguments that torch's version counters do not show:
+    the running statistics of :data:`UNSTATED_WRITES`, and the arguments other than ``self``
+    an aten op's schema marks written (``Tensor(a!) running_mean`` of
+    ``_native_batch_norm_legit``), which its kernel need not version either."""
+    if isinstance(func, torch._ops.OpOverload):
+        schemas, name = [func._schema], func._schema.name.removeprefix("aten::")
+    flag, written = UNSTATED_WRITES.get(name, (None, ()))
+    if type(func) is FunctionType:
+        if not func.__module__.startswith("torch.") or not written:
+            return None
+        parameters = list(inspect.signature(func).parameters.values())
+        positions = {p.name: (i, p.default) for i, p in enumerate(parameters)}
+    else:
+        positions = {}
+        stated: list[str] = []
+        for schema in schemas:
+            for i, argument in enumerate(schema.arguments):
+                if not argument.kwarg_only:
+                    default = argument.default_value if argument.has_default_value() else None
+                    positions.setdefault(argument.name, (i, default))
+                alias = argument.alias_info
+                if (
+                    alias is not None
+                    and alias.is_write
+                    and argument.name != "self"
+                    and not argument.kwarg_only
+                    and "Tensor" in str(argument.type)
+                ):
+                    stated.append(argument.name)
+        if stated and not written:
+            flag, written = None, tuple(dict.fromkeys(stated))
+    found = tuple((positions[n][0], n) for n in written if n in positions)
+    if not found:
+        return None
+    where = (positions[flag][0], flag, positions[flag][1]) if flag in positions else None
+    return UnversionedWrites(found, where)
 
 
 # torch's own torch.nn.init functions, as torch defined them (libraries rebind the names)

@@ -36,6 +36,7 @@ from metamode._core.facts import (
     stand_in_rule,
 )
 from metamode._core.recording import registry, settings, thread_state
+from metamode._core.recording.branches import compared_otherwise
 from metamode._core.recording.held import Held
 from metamode._core.recording.memory import ExternalMemory, Kept, external, refill
 from metamode._core.recording.program import (
@@ -366,11 +367,13 @@ class Recorder:
         if fact.query:
             result = func(*args, **kwargs)
             if fact.hands_out_memory and args and _is_tensor(type(args[0])):
-                self._handed_out(func, args[0])
+                self._handed_out(func, args[0], fact)
             if self.program.diverged is None and (
-                (fact.is_meta and result is True) or (fact.device and result.type == "meta")
+                (fact.is_meta and result is True)
+                or (fact.device and result.type == "meta")
+                or (fact.placement and not fact.is_meta and args[0].is_meta)
             ):
-                self._meta_read(args[0], sys._getframe(1), fact.is_meta)
+                self._meta_read(args[0], sys._getframe(1), fact, result)
             return result
         if fact.unstated:
             return self._unstated(func, args, kwargs)
@@ -406,6 +409,8 @@ class Recorder:
             written = [t for t, v in zip(tensors, versions, strict=True) if _version(t) != v]
         if skipped:
             written.append(tensors[0])
+        if fact.unversioned is not None:  # writes no version counter shows
+            written += fact.unversioned.tensors(args, kwargs)
         if fact.changes_geometry:
             for tensor in tensors:
                 self._tensors.pop(id(tensor), None)
@@ -769,24 +774,33 @@ class Recorder:
         return tracks
 
     # -- reads that steer the build -----------------------------------------------------
-    def _meta_read(self, tensor: torch.Tensor, frame: FrameType | None, is_meta: bool) -> None:
-        """The build asked whether ``tensor`` is on meta: eager construction would hear no."""
-        while frame is not None and (
-            frame.f_code.co_name == "__torch_function__" or _is_ours(frame)
-        ):
-            frame = frame.f_back
+    def _meta_read(
+        self, tensor: torch.Tensor, frame: FrameType | None, fact: Fact, value: Any
+    ) -> None:
+        """The build asked where ``tensor`` is (``fact``: ``.is_meta``, ``.is_cpu``,
+        ``.device``) and heard ``value``, meta's answer: eager construction would hear the
+        CPU's."""
+        frame = _reader(frame)
         known = meta_branch(frame.f_code) if frame is not None else None
         if known is not None:
             self.diverge(known)
             return
-        if not is_meta:
-            return  # a device read, most often to place a new tensor beside this one
-        shortcut = meta_shortcut(frame.f_code) if frame is not None else None
+        where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
+        if fact.device:
+            # most often read to place a new tensor beside this one; compared so that the
+            # comparison tells the CPU from other devices, a branch (one telling meta from
+            # the others is left to the library's registered branches, as before)
+            if frame is not None and compared_otherwise(frame, value):
+                self.diverge(
+                    f"{where} compared .device of a {_describe(tensor)} tensor, which eager "
+                    f"construction has on the CPU, so it may have taken another branch"
+                )
+            return
+        shortcut = meta_shortcut(frame.f_code) if frame is not None and fact.is_meta else None
         if shortcut is None or frame is None:
-            where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
             self.diverge(
-                f"{where} read .is_meta of a {_describe(tensor)} tensor, which eager "
-                f"construction has off meta, so it may have taken another branch"
+                f"{where} read .{fact.name} of a {_describe(tensor)} tensor on meta, which "
+                f"eager construction has on the CPU, so it may have taken another branch"
             )
             return
         values = inspect.getargvalues(frame).locals
@@ -824,9 +838,19 @@ class Recorder:
         draws = self._begin_draws(fact, generators, [tensor], {}, keywords) if fact.random else []
         self._append(call, [tensor], draws, False)
 
-    def _handed_out(self, func: Any, tensor: torch.Tensor) -> None:
-        """``func`` gave ``tensor``'s memory to code that can write it unseen."""
+    def _handed_out(self, func: Any, tensor: torch.Tensor, fact: Fact) -> None:
+        """``func`` gave ``tensor``'s memory to code that can write it unseen; on meta, told
+        where it is (address 0 for every meta tensor, distinct in eager construction)."""
         if tensor.is_meta:
+            if fact.addresses and self.program.diverged is None:
+                frame = _reader(sys._getframe(2))
+                where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
+                self.diverge(
+                    f"{where} read the memory address of a {_describe(tensor)} tensor on "
+                    f"meta through {_name(func)}(): every meta tensor's is 0 where eager "
+                    f"construction's differ, so comparing them (data_ptr() == data_ptr()) "
+                    f"may take another branch"
+                )
             return  # no memory to write
         ref = self.ref(tensor)
         self._value_read(func, [ref])
@@ -1198,6 +1222,13 @@ def _complex_counterpart(dtype: torch.dtype) -> torch.dtype:
     return (
         torch.promote_types(dtype, torch.complex64) if dtype != torch.float16 else torch.complex32
     )
+
+
+def _reader(frame: FrameType | None) -> FrameType | None:
+    """The frame of the build's code that made a read (past modes and metamode's own)."""
+    while frame is not None and (frame.f_code.co_name == "__torch_function__" or _is_ours(frame)):
+        frame = frame.f_back
+    return frame
 
 
 def _is_ours(frame: FrameType) -> bool:

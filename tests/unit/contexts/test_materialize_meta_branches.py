@@ -26,10 +26,11 @@ def _is_meta(t: torch.Tensor) -> bool:
 
 
 READS = {"is_meta": (_is_meta, "is_meta")}
-# A branch on ``tensor.device`` (``.type == "meta"``, ``== torch.device("meta")``,
-# ``str(...)``) is not seen: it reads the same property as code placing a new tensor beside
-# it (PEFT's ``_move_adapter_to_device_of_base_layer``). The library branches of this kind
-# metamode knows are refused by the integrations (tests/integration/test_materialize_peft_init.py).
+# A ``.device`` comparison against meta itself (``.type == "meta"``, ``== meta``) is not
+# refused: libraries check meta-ness so to skip a move that is a no-op in eager (PEFT's
+# ``_move_adapter_to_device_of_base_layer``); those that build otherwise are refused by the
+# integrations (tests/integration/test_materialize_peft_init.py). A comparison telling the
+# CPU from other devices is refused (below).
 
 
 class SkipsItsInitOnMeta(nn.Module):
@@ -141,3 +142,98 @@ class PlacesBesideItsWeight(nn.Module):
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_reading_a_meta_tensors_device_to_place_new_tensors_is_exact(include_buffers):
     assert_eager_equal(PlacesBesideItsWeight, include_buffers)
+
+
+# -- where a tensor lives, read otherwise than through .is_meta ------------------------------
+
+
+class TiesIfSameMemory(nn.Module):
+    """Ties two weights if ``address`` says they share memory (every meta address is 0)."""
+
+    def __init__(self, address) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        if address(self.head.weight) == address(self.embed.weight):
+            self.head.weight = self.embed.weight
+
+
+ADDRESSES = {
+    "data_ptr()": lambda t: t.data_ptr(),
+    "untyped_storage().data_ptr()": lambda t: t.untyped_storage().data_ptr(),
+    "storage().data_ptr()": lambda t: t.storage().data_ptr(),
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("address", sorted(ADDRESSES))
+def test_a_memory_address_read_on_meta_refuses_naming_the_read(address, include_buffers):
+    model = build_empty(lambda: TiesIfSameMemory(ADDRESSES[address]), include_buffers)
+    assert_refused(model, "embed.weight", "head.weight", because=r"read the memory address")
+
+
+def test_a_memory_address_read_of_a_real_tensor_in_the_build_is_exact():
+    class Real(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            table = torch.zeros(4)
+            self.register_buffer("ptr_seen", torch.tensor(table.data_ptr() != 0))
+
+    assert_eager_equal(Real)
+
+
+class CpuOnlyInit(nn.Module):
+    """An init taken only when ``on_cpu(weight)`` says the weight is on the CPU."""
+
+    def __init__(self, on_cpu) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        if on_cpu(self.fc.weight):
+            with torch.no_grad():
+                self.fc.weight.mul_(2.0)
+
+
+_CPU = torch.device("cpu")
+CPU_CHECKS = {
+    "is_cpu": (lambda t: t.is_cpu, r"read \.is_cpu"),
+    "device.type == 'cpu'": (lambda t: t.device.type == "cpu", r"compared \.device"),
+    "device.type in ('cpu', 'mps')": (lambda t: t.device.type in ("cpu", "mps"), "compared"),
+    "'cpu' == device.type": (lambda t: "cpu" == t.device.type, r"compared \.device"),  # noqa: SIM300
+    "device == torch.device('cpu')": (lambda t: t.device == torch.device("cpu"), "compared"),
+    "device == a local cpu device": (lambda t: t.device == _CPU, r"compared \.device"),
+    "device.type != 'cuda' and != 'meta'": (
+        lambda t: t.device.type not in ("cuda", "meta", "mps"),
+        r"compared \.device",
+    ),
+}
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("check", sorted(CPU_CHECKS))
+def test_a_branch_on_being_on_the_cpu_refuses_naming_the_read(check, include_buffers):
+    on_cpu, because = CPU_CHECKS[check]
+    model = build_empty(lambda: CpuOnlyInit(on_cpu), include_buffers)
+    assert_refused(model, "fc.weight", because=because)
+
+
+class AskedSameOnMetaAndCpu(nn.Module):
+    """Placement questions whose answer is the same on meta as on the CPU: no branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.other = nn.Linear(3, 3)
+        w = self.fc.weight
+        with torch.no_grad():
+            if w.is_cuda or w.device.type == "cuda" or w.device.index is not None:
+                w.mul_(2.0)
+            if w.device != self.other.weight.device:
+                w.mul_(3.0)
+        self.register_buffer("cache", torch.arange(4, device=w.device, dtype=w.dtype))
+        self.register_buffer("ones", torch.ones(2, 2).to(w.device))
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_placement_reads_that_answer_the_same_on_the_cpu_are_exact(include_buffers):
+    assert_eager_equal(AskedSameOnMetaAndCpu, include_buffers)
