@@ -94,6 +94,7 @@ _IMMUTABLE = frozenset(
 )
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 _TO = torch.Tensor.to
+_DEEPCOPY = torch.Tensor.__deepcopy__
 _HOST = frozenset(["cpu", "meta"])  # devices whose draws come from the default CPU generator
 _GENERATOR_KEYWORD = ("generator",)
 # what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
@@ -425,7 +426,10 @@ class Recorder:
         index = len(self.program.calls)
         refused = None
         try:
-            captured_args = self._capture(args, [], [])
+            # a deep copy's memo holds the objects copied so far: replay copies one tensor
+            captured_args = self._capture(args if func is not _DEEPCOPY else args[:1], [], [])
+            if func is _DEEPCOPY:
+                captured_args = (*captured_args, {})
             captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)

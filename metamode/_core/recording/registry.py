@@ -84,13 +84,16 @@ class _Weak(weakref.ref):
 
 def sweep() -> None:
     """Drop the entries of tensors that are gone (a strided tensor is named without a weak
-    reference, so nothing drops them as it dies), and with them what only they kept alive:
-    their programs."""
+    reference, so nothing drops them as it dies), and the closed programs none of whose
+    storages is alive, and with them what only they kept alive."""
     with _LOCK:
         for key, held in list(_ENTRIES.items()):
             if held[0].expired():
                 _ENTRIES.pop(key, None)  # under the lock: no add in between
         _SWEEP_AT[0] = max(1024, 2 * len(_ENTRIES))
+        for serial, program in list(_CLOSED.items()):
+            if not any(not keep.expired() for _, keep in program.live.values()):
+                del _CLOSED[serial]
 
 
 def _drop(table: dict | None, key: int, ref: weakref.ref) -> None:
@@ -125,21 +128,24 @@ def weakly_held_elsewhere(tensor: torch.Tensor) -> bool:
     return any(ref is not ours for ref in weakref.getweakrefs(tensor))
 
 
-_CLOSED: weakref.WeakSet[Program] = weakref.WeakSet()
+# serial -> a program whose recording ended, held while a storage it knows is alive: a
+# tensor made in the build and never registered (a deep copy of a built module) still
+# needs it when the tensors registered with it are gone
+_CLOSED: dict[int, Program] = {}
 
 
 def closed(program: Program) -> None:
     """``program``'s recording ended; it may hold storages of tensors never registered."""
     with _LOCK:
-        _CLOSED.add(program)
+        _CLOSED[program.serial] = program
 
 
 def closed_programs() -> list[Program]:
-    """Every program whose recording ended and that is still alive (after a :func:`sweep`:
-    one only entries of tensors gone kept alive is not)."""
+    """Every program whose recording ended and that is still needed (after a
+    :func:`sweep`: one some storage it knows or some registered tensor keeps alive)."""
     sweep()
     with _LOCK:
-        return list(_CLOSED)
+        return list(_CLOSED.values())
 
 
 def forget(tensor: torch.Tensor) -> Entry | None:

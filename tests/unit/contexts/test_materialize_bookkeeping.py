@@ -143,3 +143,26 @@ def test_a_dropped_build_without_draws_on_meta_leaves_nothing_behind():
     with metamode.empty_weights(replayable=True):
         second = Buffers()
     materialize_exactly(second, ref)
+
+
+def test_a_closed_program_lives_while_a_storage_it_made_does_and_no_longer():
+    import copy
+    import weakref
+
+    from metamode._core.recording import registry
+
+    with metamode.empty_weights(replayable=True):
+        template = nn.Linear(4, 4)
+        copies = nn.ModuleList([copy.deepcopy(template) for _ in range(2)])
+    entry = registry.entry(template.weight)
+    assert entry is not None
+    program = weakref.ref(entry.program)
+    del template, entry
+    gc.collect()
+    registry.sweep()
+    assert program() is not None, "the copies' storages still need their program"
+    assert metamode.is_materializable(copies)
+    del copies
+    gc.collect()
+    registry.sweep()
+    assert program() is None, "a program none of whose storages is alive is kept"

@@ -1597,16 +1597,6 @@ def _broken(what: str, because: str | None = None) -> Outcome:
 
 _NUMPY = r"numpy|ndarray|array"
 _PARAMETRIZE = r"register_parametrization|parametrize\b|set_\("
-_LATE = "late refusal: is_materializable() says True, then materialize raises ReplayError"
-_WRONG_GONE = (
-    "wrong reason: refused as 'computed from a tensor made outside the recording that no "
-    "longer exists'"
-)
-_NOT_REGISTERED = (
-    "wrong reason: deep copies of a template that is gone are refused as 'not registered "
-    "inside a replayable context'"
-)
-
 _MIXED_FORWARD = (
     "crash: a forward of a real input through a meta layer raises 'Tensor on device meta is "
     "not on the expected device cpu!' in the build"
@@ -1630,19 +1620,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "torch parametrizations.orthogonal": {
         mode: _broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
         for mode in MODES
-    },
-    "torch deepcopy clones then reset one": {
-        mode: _broken(_NOT_REGISTERED, r"deepcopy|copy") for mode in MODES
-    },
-    "torch TransformerEncoder of a template layer": {
-        mode: _broken(_NOT_REGISTERED, r"deepcopy|copy") for mode in MODES
-    },
-    "torch deepcopy EMA teacher": {
-        True: _broken(
-            "wrong reason: the deep-copied BatchNorm buffers are refused as 'an argument of "
-            "type Sequential metamode cannot copy' (the deepcopy memo)",
-            r"deepcopy",
-        )
     },
     "torch load_state_dict(other.state_dict())": {
         mode: Outcome(REFUSED, r"_load_from_state_dict read \.is_meta") for mode in MODES
@@ -1747,11 +1724,6 @@ def test_library_init_idioms_are_exact_or_refused_upfront(idiom, include_buffers
         assert_refused(model, because=outcome.because)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="is_materializable of deep copies made in the build flips from True to False when "
-    "the unregistered template they were copied from is garbage-collected after the block",
-)
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_deep_copies_do_not_depend_on_their_template_staying_alive(include_buffers):
     torch.manual_seed(0)
