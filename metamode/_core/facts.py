@@ -42,6 +42,7 @@ __all__ = [
     "register_device_probe",
     "register_meta_branch",
     "register_stand_in",
+    "rebuilds_without_values",
     "stand_in_rule",
     "stand_in_for",
 ]
@@ -216,6 +217,16 @@ UNSTATED_WRITES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "batch_norm_gather_stats": (None, ("running_mean", "running_var")),
     "batch_norm_gather_stats_with_counts": (None, ("running_mean", "running_var")),
 }
+
+# torch's functions that make a tensor from what a pickle of a meta tensor holds: its
+# metadata, no values (``torch.load``, ``pickle.loads``)
+_VALUELESS_REBUILDS = frozenset([torch._utils._rebuild_meta_tensor_no_storage.__code__])
+
+
+def rebuilds_without_values(code: CodeType) -> bool:
+    """Whether ``code`` rebuilds a pickled meta tensor, which carries no values."""
+    return code in _VALUELESS_REBUILDS
+
 
 # -- the table ----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable
-from types import FrameType, FunctionType
+from types import CodeType, FrameType, FunctionType
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +32,7 @@ from metamode._core.facts import (
     fact_of,
     meta_branch,
     meta_shortcut,
+    rebuilds_without_values,
     stand_in_for,
     stand_in_rule,
 )
@@ -455,7 +456,9 @@ class Recorder:
             writes=tuple(sorted(writes)),
             creates=tuple(creates),
             result=captured_result,
-            refused=refused or _subclass_refusal(tensors),
+            refused=refused
+            or _subclass_refusal(tensors)
+            or _meta_dtype_refusal(args, kwargs, made),
             default_dtype=_default_dtype_use(fact, kwargs, inputs, made),
             fills=fact.uninitialised and bool(creates) and _fills_uninitialised(),
             settings=settings.now() if inputs else None,
@@ -612,6 +615,12 @@ class Recorder:
         if kwargs.get("dtype") is None:
             captured_kwargs["dtype"] = result.dtype
         ref = self.ref(result, creating_call=len(self.program.calls))
+        if kwargs.get("device") == "meta" and rebuilds_without_values(_caller_code()):
+            self.program.storages[ref.storage].pinned = (
+                "torch.load (or pickle) rebuilt it from a tensor the build pickled on meta, "
+                "which holds no values (eager construction's pickle holds them); pickle the "
+                "module after materialize"
+            )
         call = Call(
             func,
             captured_args,
@@ -1152,6 +1161,23 @@ def _copy_as(
     return (copy.conj() if conj else copy).copy_(source)
 
 
+def _meta_dtype_refusal(args: tuple, kwargs: dict, made: list[torch.Tensor]) -> str | None:
+    """Why a call asked for a dtype that its new meta result does not have (torch's meta
+    kernel of ``quantize_per_tensor`` gives float32 where its CPU kernel gives qint8)."""
+    if not made or not made[0].is_meta:
+        return None
+    asked = kwargs.get("dtype")
+    if type(asked) is not torch.dtype:
+        asked = next((a for a in args if type(a) is torch.dtype), None)
+    if asked is None or made[0].dtype == asked:
+        return None
+    return (
+        f"it was asked for {asked} and made {made[0].dtype} on meta: torch's meta kernel "
+        f"differs from its CPU kernel, so the build's tensor is not eager's; make it after "
+        f"materialize"
+    )
+
+
 def _fills_uninitialised() -> bool:
     """Whether torch fills the uninitialised memory its factories return now."""
     return torch.are_deterministic_algorithms_enabled() and bool(
@@ -1233,6 +1259,15 @@ def _reader(frame: FrameType | None) -> FrameType | None:
     while frame is not None and (frame.f_code.co_name == "__torch_function__" or _is_ours(frame)):
         frame = frame.f_back
     return frame
+
+
+def _caller_code() -> CodeType:
+    """The code that made the torch call being recorded (past modes and metamode's own)."""
+    frame = _reader(sys._getframe(1))
+    return frame.f_code if frame is not None else _NO_CODE
+
+
+_NO_CODE = _caller_code.__code__
 
 
 def _is_ours(frame: FrameType) -> bool:

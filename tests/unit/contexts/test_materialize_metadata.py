@@ -19,6 +19,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_refused,
     build_eagerly,
     build_empty,
+    materialize_exactly,
 )
 
 
@@ -196,3 +197,40 @@ def test_a_sparse_tensor_made_on_meta_is_refused_by_name():
 
     model = build_empty(lambda: Built(init), include_buffers=True)
     assert_refused(model, "s", because="layout torch.sparse_coo")
+
+
+# -- a dtype asked for that the meta kernel does not give -------------------------------
+
+
+def _quantized_per_tensor(m: nn.Module) -> None:
+    m.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+
+
+def _quantized_by_keyword(m: nn.Module) -> None:
+    x = torch.randn(2, 3)
+    m.register_buffer(
+        "q", torch.quantize_per_tensor(x, scale=0.2, zero_point=1, dtype=torch.quint8)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation")
+@pytest.mark.parametrize("init", [_quantized_per_tensor, _quantized_by_keyword])
+def test_a_dtype_the_meta_kernel_does_not_give_is_refused_upfront(init):
+    model = build_empty(lambda: Built(init), include_buffers=True)
+    assert model.q.dtype != build_eagerly(lambda: Built(init)).q.dtype  # torch's meta kernel
+    assert_refused(model, "q", because=r"asked for torch\.q\w+ and made torch\.float32 on meta")
+
+
+def _dtypes_asked_and_given(m: nn.Module) -> None:
+    x = torch.randn(3)
+    m.register_buffer("halved", x.to(torch.float16))
+    m.register_buffer("ids", torch.arange(3, dtype=torch.int32))
+    m.register_buffer("total", torch.cumsum(x, 0, dtype=torch.float64))
+    m.register_buffer("bits", x.view(torch.int32))
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_dtypes_asked_for_and_given_on_meta_are_exact(include_buffers):
+    ref = build_eagerly(lambda: Built(_dtypes_asked_and_given))
+    model = build_empty(lambda: Built(_dtypes_asked_and_given), include_buffers)
+    materialize_exactly(model, ref)

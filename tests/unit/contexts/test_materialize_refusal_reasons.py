@@ -13,12 +13,15 @@ Each of these is exact now, or refused naming what really stands in the way:
 
 from __future__ import annotations
 
+import copyreg
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
     assert_eager_equal,
@@ -161,3 +164,43 @@ def test_parametrizations_are_exact(module, unsafe, include_buffers):
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_an_unsafe_parametrization_changing_the_shape_is_exact(include_buffers):
     assert_eager_equal(_parametrized(Rows, True), include_buffers)
+
+
+# -- values that travel through a pickle ------------------------------------------------
+
+
+# pickling caches __slotnames__ on each class it pickles the first time: done here, before
+# the global-state guard takes its snapshot around a test
+for _pickled in (torch.Tensor, nn.Parameter, nn.Linear):
+    copyreg._slotnames(_pickled)  # type: ignore[attr-defined]
+
+
+def _saved_and_loaded(m: nn.Module) -> None:
+    import io
+
+    layer = nn.Linear(3, 3)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    m.a = layer
+    m.b = torch.load(buffer, weights_only=False)
+
+
+def _pickled_parameter(m: nn.Module) -> None:
+    import pickle
+
+    m.a = nn.Linear(3, 3)
+    m.b = pickle.loads(pickle.dumps(m.a.weight))
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("init", [_saved_and_loaded, _pickled_parameter])
+def test_tensors_loaded_from_a_pickle_of_meta_tensors_are_refused_saying_so(init, include_buffers):
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            init(self)
+
+    model = build_empty(Holder, include_buffers)
+    assert_refused(model, "b.weight" if init is _saved_and_loaded else "b", because=r"torch\.load")
+    assert metamode.is_materializable(model.a)
