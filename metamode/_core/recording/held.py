@@ -46,12 +46,20 @@ class Named:
 
     __slots__ = ("impl", "keep", "storage")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        with DisableTorchFunction():  # metamode's own reads, not the build's
-            storage = tensor.untyped_storage()
-            self.impl: int = tensor._cdata
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        storage: torch.UntypedStorage | None = None,
+        keep: StorageWeakRef | None = None,
+    ) -> None:
+        """``storage``, ``keep``: the tensor's storage and a weak reference to it, if the
+        caller has them."""
+        if storage is None:
+            with DisableTorchFunction():  # metamode's own reads, not the build's
+                storage = tensor.untyped_storage()
+        self.impl: int = tensor._cdata
         self.storage: int = storage._cdata
-        self.keep = StorageWeakRef(storage)
+        self.keep = keep if keep is not None else StorageWeakRef(storage)
 
     def of(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (of the ``id`` this was kept under) is the tensor named."""

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from metamode._core.facts import (
     _FACTS,
+    _QUERY_FACT,
     Fact,
     fact_of,
     meta_branch,
@@ -38,7 +39,7 @@ from metamode._core.facts import (
 )
 from metamode._core.recording import registry, settings, thread_state
 from metamode._core.recording.branches import compared_otherwise
-from metamode._core.recording.held import Held
+from metamode._core.recording.held import Held, Named
 from metamode._core.recording.memory import ExternalMemory, Kept, external, refill
 from metamode._core.recording.program import (
     _SEQUENCE,
@@ -54,7 +55,7 @@ from metamode._core.recording.program import (
     TensorRef,
 )
 from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
-from metamode._core.skip_rule import dispatches_plainly
+from metamode._core.skip_rule import POINTLESS_ON_META, dispatches_plainly
 from metamode._torch import (
     DisableTorchFunction,
     UninitializedTensorMixin,
@@ -368,6 +369,8 @@ class Recorder:
         fact = _FACTS.get(func) or fact_of(func)
         if fact.query:
             result = func(*args, **kwargs)
+            if fact is _QUERY_FACT:  # reads metadata that is the same on meta
+                return result
             if fact.hands_out_memory and args and _is_tensor(type(args[0])):
                 self._handed_out(func, args[0], fact)
             if self.program.diverged is None and (
@@ -383,7 +386,9 @@ class Recorder:
             original = stand_in_for(func)
             if original is not None:
                 return self._stand_in(func, original, args, kwargs, runner)
-        target = runner.skips(func, args, kwargs)
+            target = runner.skips(func, args, kwargs)
+        else:  # a C function: skipped only if in the skip rule's table
+            target = runner.skips(func, args, kwargs) if func in POINTLESS_ON_META else None
         if target is not None:
             return self._skipped(func, fact, args, kwargs, target)
         tensors: list[torch.Tensor] = []
@@ -643,6 +648,10 @@ class Recorder:
         runs = stand_in_rule(func)
         if runs is not None:
             if runs(args, kwargs):
+                target = runner.skips(original, args, kwargs)
+                if target is not None:  # torch's function on meta: what record would do
+                    fact = _FACTS.get(original) or fact_of(original)
+                    return self._skipped(original, fact, args, kwargs, target)
                 return self.record(original, args, kwargs, runner)
             return args[0] if args else kwargs.get("tensor")
         inside = _Inside(self, runner, func)
@@ -911,6 +920,7 @@ class Recorder:
         if ref.storage in self._views:  # the larger tensor a view was cut from, again
             self._apart(ref.storage)
         target = original
+        named = None
         if placed is not None and original.layout is not torch.strided:
             target = placed
         elif placed is not None:
@@ -928,13 +938,15 @@ class Recorder:
             ):
                 # eager construction keeps one tensor: the twin *is* the original
                 storage = placed.untyped_storage()
-                self._storages[storage._cdata] = (ref.storage, StorageWeakRef(storage))
+                keep = StorageWeakRef(storage)
+                self._storages[storage._cdata] = (ref.storage, keep)
                 self._tensors[id(placed)] = (
                     _hold(placed),
                     ref,
                     _version(placed),
                     self._epochs[ref.storage],
                 )
+                named = Named(placed, storage, keep)
             else:
                 # a view into part of a larger tensor: its twin has memory of its own, so
                 # a later write through either, or another registration of the larger
@@ -951,7 +963,7 @@ class Recorder:
                 self._views.setdefault(twin, set()).add(ref.storage)
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
-        entry = registry.add(target, self.program, module, name)
+        entry = registry.add(target, self.program, module, name, named)
         if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(target):
             entry.refused = (
                 "eager construction registers memory torch does not own (torch.from_numpy, "

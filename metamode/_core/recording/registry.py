@@ -39,11 +39,17 @@ _LOCK = threading.RLock()  # a weak-reference callback may run while it is held
 
 
 def add(
-    tensor: torch.Tensor, program: Program, module: Any = None, name: str | None = None
+    tensor: torch.Tensor,
+    program: Program,
+    module: Any = None,
+    name: str | None = None,
+    named: Named | None = None,
 ) -> Entry:
-    """Note that ``tensor`` was registered while ``program`` recorded."""
+    """Note that ``tensor`` was registered while ``program`` recorded (``named``: what
+    names it, if the caller has made it)."""
     found = Entry(program)
-    named = _name(tensor)
+    if named is None:
+        named = _name(tensor)
     with _LOCK:  # a sweep may run in another thread
         _ENTRIES[id(tensor)] = (named, found)
     if len(_ENTRIES) >= _SWEEP_AT[0]:

@@ -41,7 +41,9 @@ class _Marker:
 
 
 _MARKERS: dict[int, _Marker] = {}  # marker seed -> marker
-_BY_PROGRAM: dict[int, list[int]] = {}  # program serial -> its marker seeds
+# program serial -> its marker seeds, the last one naming its latest marked call
+_BY_PROGRAM: dict[int, list[int]] = {}
+_LAST_CALL: dict[int, int] = {}  # program serial -> the latest call it set a marker after
 # Markers of programs that are gone, kept because a replay computed their state (so a
 # later build can still continue the stream); the oldest go first beyond _KEEP.
 _KEPT: OrderedDict[int, None] = OrderedDict()
@@ -89,9 +91,8 @@ _SCRATCH = torch.Generator()
 
 
 def _fresh(generator: torch.Generator, seed: int) -> bool:
-    """Whether ``generator`` drew nothing since ``manual_seed(seed)``."""
-    if generator.initial_seed() != seed:
-        return False
+    """Whether ``generator``, seeded with ``seed`` (its ``initial_seed()``), drew nothing
+    since."""
     if _FRESH_HEADER is not None:
         size, header = _FRESH_HEADER
         return _state_bytes(generator, size)[8:] == header
@@ -199,7 +200,8 @@ def mark(track: GeneratorTrack, program: Program, call: int) -> None:
             seeds = _BY_PROGRAM[program.serial] = []
             program.finalizer = weakref.finalize(program, _forget, program.serial)
             program.reference = weakref.ref(program)
-    seeds.append(seed)  # a single step under the GIL, as the one below
+    seeds.append(seed)  # a single step under the GIL, as the ones below
+    _LAST_CALL[program.serial] = call
     _MARKERS[seed] = _Marker(program.reference, call, track.stream)
     program.markers[(call, track.stream)] = seed
     track.generator.manual_seed(seed)
@@ -217,8 +219,8 @@ def replayed(seed: int, state: torch.Tensor) -> None:
 def _forget(serial: int) -> None:
     with _LOCK:
         seeds = _BY_PROGRAM.pop(serial, ())
-        if seeds:
-            last = max((_packed(seed) >> 8) & 0xFFFFFFFF for seed in seeds)
+        last = _LAST_CALL.pop(serial, None)
+        if last is not None:
             key = serial & 0xFFFFFF
             _DEAD[key] = max(last, _DEAD.get(key, 0))
         for seed in seeds:
