@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,23 +96,44 @@ _REGISTERED = frozenset(["_parameters", "_buffers", "_modules"])
 def _attributes(sub: nn.Module, prefix: str) -> list[tuple[torch.Tensor, Any, Any, str]]:
     """The tensors ``sub`` holds outside its parameters and buffers: as plain attributes
     (``module.weight = t`` for a name not registered, as the old ``weight_norm`` and
-    ``spectral_norm`` do), and as the items of a list, tuple or dict attribute, one level
-    deep; each with its container, its key there and its qualified name."""
+    ``spectral_norm`` do), and in the lists, tuples, dicts and plain objects (a
+    ``SimpleNamespace``, a dataclass) those hold, up to ``_DEPTH`` levels down, never into
+    a module; each with its container, its key there and its qualified name."""
     found: list[tuple[torch.Tensor, Any, Any, str]] = []
-    for name, value in vars(sub).items():
+    attributes = vars(sub)
+    for name in [name for name in attributes if name not in _REGISTERED]:
         qualname = f"{prefix}.{name}" if prefix else name
-        if isinstance(value, torch.Tensor):
-            if _held(value):
-                found.append((value, vars(sub), name, qualname))
-        elif type(value) in (list, tuple) and name not in _REGISTERED:
-            for index, item in enumerate(value):
-                if isinstance(item, torch.Tensor) and _held(item):
-                    found.append((item, value, index, f"{qualname}[{index}]"))
-        elif type(value) is dict and name not in _REGISTERED:
-            for key, item in value.items():
-                if isinstance(item, torch.Tensor) and _held(item):
-                    found.append((item, value, key, f"{qualname}[{key!r}]"))
+        _visit(attributes, name, qualname, found, 0, set())
     return found
+
+
+_DEPTH = 4
+_LEAVES = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
+
+
+def _visit(place: Any, key: Any, name: str, found: list, depth: int, seen: set[int]) -> None:
+    """Collect the tensors in ``place[key]`` (a container, or a plain object's __dict__)."""
+    value = place[key]
+    if isinstance(value, torch.Tensor):
+        if _held(value):
+            found.append((value, place, key, name))
+        return
+    if depth >= _DEPTH or id(value) in seen or isinstance(value, _LEAVES):
+        return
+    kind = type(value)
+    if kind is list or kind is tuple:
+        seen.add(id(value))
+        for index in range(len(value)):
+            _visit(value, index, f"{name}[{index}]", found, depth + 1, seen)
+    elif kind is dict:
+        seen.add(id(value))
+        for item in list(value):
+            _visit(value, item, f"{name}[{item!r}]", found, depth + 1, seen)
+    elif kind.__module__ != "builtins" and type(getattr(value, "__dict__", None)) is dict:
+        seen.add(id(value))
+        attributes = vars(value)
+        for item in list(attributes):
+            _visit(attributes, item, f"{name}.{item}", found, depth + 1, seen)
 
 
 def _held(tensor: torch.Tensor) -> bool:

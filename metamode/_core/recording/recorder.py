@@ -224,7 +224,7 @@ class Recorder:
                     self._unseen_write(ref)
                 self._tensors[key] = (seen[0], ref, version, self._epochs[ref.storage])
             return ref
-        if tensor.layout is not torch.strided:
+        if _storageless(tensor):
             return self._unstrided(tensor, creating_call)
         storage = tensor.untyped_storage()
         known = self._storages.get(storage._cdata)
@@ -253,8 +253,8 @@ class Recorder:
         return ref
 
     def _unstrided(self, tensor: torch.Tensor, creating_call: int | None) -> TensorRef:
-        """A tensor with no strided storage (sparse, MKL-DNN...): a storage of its own,
-        whose value is refused."""
+        """A tensor with no strided storage (sparse, MKL-DNN...) or none to read (a lazy
+        module's uninitialised parameter): a storage of its own, whose value is refused."""
         index = len(self.program.storages)
         origin = Origin.CREATED if creating_call is not None else Origin.UNKNOWN
         if creating_call is None and not tensor.is_meta:
@@ -262,18 +262,21 @@ class Recorder:
         storage = Storage(origin, "meta" if tensor.is_meta else tensor.device.type, 0)
         storage.call = creating_call
         storage.pinned = (
-            f"it has layout {tensor.layout}: metamode records strided tensors only; "
+            "it is a lazy module's uninitialised parameter or buffer, which has no value"
+            if isinstance(tensor, UninitializedTensorMixin)
+            else f"it has layout {tensor.layout}: metamode records strided tensors only; "
             f"register it dense (.to_dense()) or make it after materialize"
         )
         self.program.storages.append(storage)
         self._epochs.append(0)
-        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), (), 0)
+        lazy = isinstance(tensor, UninitializedTensorMixin)  # it has no shape yet
+        ref = TensorRef(index, tensor.dtype, () if lazy else tuple(tensor.shape), (), 0)
         self._tensors[id(tensor)] = (weakref.ref(tensor), ref, _version(tensor), 0)
         return ref
 
     def _in_place(self, tensor: torch.Tensor, ref: TensorRef) -> bool:
         """Whether ``tensor`` is still the view ``ref`` of the same storage."""
-        if tensor.layout is not torch.strided:
+        if _storageless(tensor):
             return True  # no storage to be given another of
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return (
@@ -479,7 +482,7 @@ class Recorder:
             # made from an array or buffer whose memory eager's result may share: a real
             # result that shares it is watched (not resizable); a meta one cannot share it
             for tensor in _tensors_in(result):
-                if tensor.layout is not torch.strided:
+                if _storageless(tensor):
                     continue  # refused by its layout
                 storage = tensor.untyped_storage()
                 index = self._storages[storage._cdata][0]
@@ -666,7 +669,7 @@ class Recorder:
         seen = self._tensors.get(id(tensor))
         if seen is not None and seen[0]() is tensor:
             return True
-        if tensor.layout is not torch.strided:
+        if _storageless(tensor):
             return False
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return known is not None and not known[1].expired()
@@ -875,7 +878,8 @@ class Recorder:
                 )
             return  # no memory to write
         ref = self.ref(tensor)
-        self._value_read(func, [ref])
+        if not fact.addresses:  # numpy(), __array__, __dlpack__ hand out the values too
+            self._value_read(func, [ref])
         storage = self.program.storages[ref.storage]
         storage.pinned = storage.pinned or (
             f"the build handed its memory out through {_name(func)}(), so writes to it "
@@ -1195,6 +1199,12 @@ def _fills_uninitialised() -> bool:
     return torch.are_deterministic_algorithms_enabled() and bool(
         torch._C._get_deterministic_fill_uninitialized_memory()
     )
+
+
+def _storageless(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no strided storage to read (sparse, MKL-DNN...; a lazy
+    module's uninitialised parameter refuses the read)."""
+    return tensor.layout is not torch.strided or isinstance(tensor, UninitializedTensorMixin)
 
 
 def _version(tensor: torch.Tensor) -> int:
