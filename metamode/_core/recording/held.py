@@ -26,12 +26,12 @@ class Held:
 
     __slots__ = ("impl", "storage", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> None:
         # made and called where the recorder reads tensors anyway (inside its mode's
-        # handler, or under DisableTorchFunction)
+        # handler, or under DisableTorchFunction); ``storage``: the tensor's, if known
         self.tensor = tensor
         self.impl: int = tensor._cdata
-        self.storage: int = tensor.untyped_storage()._cdata
+        self.storage: int = (storage if storage is not None else tensor.untyped_storage())._cdata
 
     def __call__(self) -> torch.Tensor | None:
         tensor = self.tensor

@@ -124,9 +124,6 @@ def _is_tensor(kind: type) -> bool:
     return known
 
 
-_UNSEEN = None  # what _TENSOR_TYPES answers for a type not yet classified
-
-
 class Recorder:
     """Builds one :class:`Program`; owned by the outermost replayable context of a thread,
     shared by the replayable contexts entered inside it."""
@@ -154,8 +151,13 @@ class Recorder:
         self._real: set[int] = set()  # storages a recorded call created off meta
 
     # -- storages and tensors -----------------------------------------------------------
-    def _new_storage(self, tensor: torch.Tensor, origin: Origin, call: int | None) -> int:
-        storage = tensor.untyped_storage()
+    def _new_storage(
+        self,
+        tensor: torch.Tensor,
+        origin: Origin,
+        call: int | None,
+        storage: torch.UntypedStorage,
+    ) -> int:
         index = len(self.program.storages)
         outside = None
         device = "meta" if tensor.is_meta else tensor.device.type
@@ -231,10 +233,10 @@ class Recorder:
         if known is not None and not known[1].expired():
             index = known[0]
         elif creating_call is not None:
-            index = self._new_storage(tensor, Origin.CREATED, creating_call)
+            index = self._new_storage(tensor, Origin.CREATED, creating_call, storage)
         else:
             origin = Origin.UNKNOWN if tensor.is_meta else Origin.OUTSIDE
-            index = self._new_storage(tensor, origin, None)
+            index = self._new_storage(tensor, origin, None, storage)
         offset: int = tensor.storage_offset()  # type: ignore[assignment]  # never symbolic
         ref = TensorRef(
             index,
@@ -249,7 +251,7 @@ class Recorder:
             version = tensor._version
         except RuntimeError:
             version = -1
-        self._tensors[key] = (_hold(tensor), ref, version, self._epochs[index])
+        self._tensors[key] = (_hold(tensor, storage), ref, version, self._epochs[index])
         return ref
 
     def _unstrided(self, tensor: torch.Tensor, creating_call: int | None) -> TensorRef:
@@ -315,7 +317,7 @@ class Recorder:
         kind = type(value)
         if kind in _IMMUTABLE:
             return value
-        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
+        if (known := _TENSOR_TYPES.get(kind)) or (known is None and _is_tensor(kind)):
             tensors.append(value)
             return self.ref(value, check=False)
         if kind is tuple:
@@ -355,7 +357,7 @@ class Recorder:
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
         kind = type(value)
-        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
+        if (known := _TENSOR_TYPES.get(kind)) or (known is None and _is_tensor(kind)):
             before = len(self.program.storages)
             ref = self.ref(value, creating_call=call)
             if len(self.program.storages) > before:
@@ -1063,7 +1065,7 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
         kind = type(value)
         if kind in _IMMUTABLE:
             continue
-        if _TENSOR_TYPES.get(kind, _UNSEEN) is True or _is_tensor(kind):
+        if (known := _TENSOR_TYPES.get(kind)) or (known is None and _is_tensor(kind)):
             tensors.append(value)
         elif kind is tuple or kind is list:
             _scan(value, tensors, generators)
@@ -1145,12 +1147,13 @@ def _NOTHING() -> None:
     return None
 
 
-def _hold(tensor: torch.Tensor) -> Callable[[], Any]:
-    """What names ``tensor`` in the recording: a meta tensor is held (no memory, and no
-    weak reference for swap_tensors to refuse), a real one weakly. (Called inside the
-    mode's handler or under DisableTorchFunction: these reads are metamode's own.)"""
+def _hold(tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> Callable[[], Any]:
+    """What names ``tensor`` (of ``storage``, if the caller has it) in the recording: a meta
+    tensor is held (no memory, and no weak reference for swap_tensors to refuse), a real
+    one weakly. (Called inside the mode's handler or under DisableTorchFunction: these reads
+    are metamode's own.)"""
     if tensor.is_meta and tensor.layout is torch.strided:
-        return Held(tensor)
+        return Held(tensor, storage)
     return weakref.ref(tensor)
 
 
