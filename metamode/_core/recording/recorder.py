@@ -97,7 +97,6 @@ _IMMUTABLE = frozenset(
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 _TO = torch.Tensor.to
 _DEEPCOPY = torch.Tensor.__deepcopy__
-_HOST = frozenset(["cpu", "meta"])  # devices whose draws come from the default CPU generator
 _GENERATOR_KEYWORD = ("generator",)
 # what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
 _VALUES = frozenset([int, float, bool, complex, list, str])
@@ -687,7 +686,7 @@ class Recorder:
         """Where eager's generator states are, before a random call runs."""
         if not generators and keywords is None and kwargs.get("device") is None:
             track = self._default_track
-            if track is not None and (not tensors or tensors[0].device.type in _HOST):
+            if track is not None and (not tensors or tensors[0].is_meta or tensors[0].is_cpu):
                 draw = before_draw(track, self.program, self._last_draw.get(track.stream))
                 draw.keywords = _GENERATOR_KEYWORD if fact.generator else ()
                 return [(track, draw)]
