@@ -218,3 +218,72 @@ def assert_exact_or_refused(
         return "exact"
     assert_refused(model, *names, because=because)
     return "refused"
+
+
+# -- idioms: constructor bodies, each with what the promise allows in each mode ----------
+
+EXACT = "exact"
+REFUSED = "refused"
+EITHER = "either"  # exact, or refused upfront for the reason ``because`` names
+
+
+class Outcome:
+    """What the promise allows for one idiom in one mode, and (``broken``) what happens
+    instead today; a broken one runs as a strict xfail."""
+
+    def __init__(self, kind: str, because: str | None = None, broken: str | None = None) -> None:
+        self.kind, self.because, self.broken = kind, because, broken
+
+
+def broken(what: str, because: str | None = None) -> Outcome:
+    """An idiom that breaks the promise today: ``what`` happens (exact is what is allowed,
+    or, given ``because``, a refusal for that reason)."""
+    return Outcome(EITHER if because else EXACT, because, what)
+
+
+class Built(nn.Module):
+    """A module whose constructor is ``init(self)``."""
+
+    def __init__(self, init: Callable[[nn.Module], None]) -> None:
+        super().__init__()
+        init(self)
+
+
+def idiom_cases(
+    idioms: dict[str, Callable[[nn.Module], None]], outcomes: dict[str, dict[bool, Outcome]]
+) -> list:
+    """``(idiom, include_buffers, outcome)`` for each idiom in both modes; an idiom not in
+    ``outcomes`` is exact."""
+    cases = []
+    for name in idioms:
+        for mode in MODES:
+            outcome = outcomes.get(name, {}).get(mode, Outcome(EXACT))
+            marks = (
+                [pytest.mark.xfail(strict=True, reason=outcome.broken)] if outcome.broken else []
+            )
+            cases.append(pytest.param(name, mode, outcome, marks=marks, id=f"{name}-{mode}"))
+    return cases
+
+
+def check_idiom(init: Callable[[nn.Module], None], include_buffers: bool, outcome: Outcome) -> None:
+    """Built eagerly and in a replayable context under one seed, ``Built(init)`` is what
+    ``outcome`` allows: exact, refused upfront for its reason, or either."""
+    ref = build_eagerly(lambda: Built(init))
+    model = build_empty(lambda: Built(init), include_buffers)
+    if outcome.kind == EXACT:
+        materialize_exactly(model, ref)
+    elif outcome.kind == REFUSED:
+        assert_refused(model, because=outcome.because)
+    elif metamode.is_materializable(model):
+        materialize_exactly(model, ref)
+    else:
+        assert_refused(model, because=outcome.because)
+
+
+def warm_pickling() -> None:
+    """Pickling caches ``__slotnames__`` on each class it pickles the first time: called
+    where a test module is imported, before the global-state guard's snapshot."""
+    import copyreg
+
+    for kind in (torch.Tensor, nn.Parameter, nn.Linear):
+        copyreg._slotnames(kind)  # type: ignore[attr-defined]

@@ -15,7 +15,6 @@ idioms are also materialized child by child, last child first."""
 from __future__ import annotations
 
 import copy
-import copyreg
 import math
 from collections.abc import Callable
 
@@ -29,22 +28,20 @@ from torch import nn
 import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
-    assert_refused,
+    REFUSED,
+    Built,
+    Outcome,
+    broken,
     build_eagerly,
     build_empty,
+    check_idiom,
+    idiom_cases,
     materialize_exactly,
     tensors,
+    warm_pickling,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-class Built(nn.Module):
-    """A module whose constructor is ``init(self)``."""
-
-    def __init__(self, init: Callable[[nn.Module], None]) -> None:
-        super().__init__()
-        init(self)
 
 
 # == timm ===================================================================================
@@ -1439,10 +1436,7 @@ def _torch_odd_dtypes_and_flags(m: nn.Module) -> None:
     m.register_buffer("tracked", torch.randn(3, requires_grad=True))
 
 
-# pickling caches __slotnames__ on each class it pickles the first time: done here, before
-# the global-state guard takes its snapshot around the idiom's test
-for _pickled in (torch.Tensor, nn.Parameter, nn.Linear):
-    copyreg._slotnames(_pickled)  # type: ignore[attr-defined]
+warm_pickling()  # before the global-state guard's snapshot
 
 
 def _torch_pickle_round_trip(m: nn.Module) -> None:
@@ -1585,23 +1579,6 @@ IDIOMS: dict[str, Callable[[nn.Module], None]] = {
 
 # == what each idiom gives ==================================================================
 
-EXACT = "exact"
-REFUSED = "refused"
-EITHER = "either"  # exact, or refused upfront for the reason ``because`` names
-
-
-class Outcome:
-    """What the promise allows for one idiom in one mode, and (``broken``) what happens
-    instead today; a broken one runs as a strict xfail."""
-
-    def __init__(self, kind: str, because: str | None = None, broken: str | None = None) -> None:
-        self.kind, self.because, self.broken = kind, because, broken
-
-
-def _broken(what: str, because: str | None = None) -> Outcome:
-    return Outcome(EITHER if because else EXACT, because, what)
-
-
 _NUMPY = r"numpy|ndarray|array"
 _PARAMETRIZE = r"register_parametrization|parametrize\b|set_\("
 _MIXED_FORWARD = (
@@ -1612,45 +1589,45 @@ _MIXED_FORWARD = (
 # idiom -> {include_buffers: Outcome}; an idiom not listed is exact in both modes
 OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "timm drop-path linspace .item()": {
-        True: _broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
+        True: broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
     },
     "timm drop-path linspace .tolist()": {
-        True: _broken("crash: the build raises 'Cannot copy out of meta tensor; no data!'")
+        True: broken("crash: the build raises 'Cannot copy out of meta tensor; no data!'")
     },
     "transformers resize embeddings mean init": {
-        mode: _broken(
+        mode: broken(
             "crash: `if (...).all():` on a value computed from a meta weight raises "
             "'Tensor.item() cannot be called on meta tensors' in the build"
         )
         for mode in MODES
     },
     "torch parametrizations.orthogonal": {
-        mode: _broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
+        mode: broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
         for mode in MODES
     },
     "torch load_state_dict(other.state_dict())": {
         mode: Outcome(REFUSED, r"_load_from_state_dict read \.is_meta") for mode in MODES
     },
     "torch vector_to_parameters": {
-        False: _broken(
+        False: broken(
             "crash: `param.data = vec[...]` of a real vector into a meta parameter raises "
             "'incompatible tensor type' in the build"
         )
     },
     "torch fuse_conv_bn_eval": {
-        False: _broken(
+        False: broken(
             "crash: the real running_var meets the meta conv weight: 'Tensor on device cpu is "
             "not on the expected device meta!' in the build"
         )
     },
     "torch share_memory() inside": {
-        mode: _broken("crash: the build raises '_share_fd_: only available on CPU'")
+        mode: broken("crash: the build raises '_share_fd_: only available on CPU'")
         for mode in MODES
     },
-    "torch BatchNorm stats from a warm-up forward": {False: _broken(_MIXED_FORWARD)},
-    "torch shape probe through BatchNorm in train mode": {False: _broken(_MIXED_FORWARD)},
+    "torch BatchNorm stats from a warm-up forward": {False: broken(_MIXED_FORWARD)},
+    "torch shape probe through BatchNorm in train mode": {False: broken(_MIXED_FORWARD)},
     "timm freeze_batch_norm_2d .data assignments": {
-        False: _broken(
+        False: broken(
             "crash: `frozen_buffer.data = bn.weight.data.clone()` of a meta value into a real "
             "buffer raises 'incompatible tensor type' in the build"
         )
@@ -1665,18 +1642,18 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "torch branch on is_cpu": {
         mode: Outcome(REFUSED, r"_torch_branch_on_is_cpu read \.is_cpu") for mode in MODES
     },
-    "LSUV one-step rescale by a forward's std": {False: _broken(_MIXED_FORWARD)},
+    "LSUV one-step rescale by a forward's std": {False: broken(_MIXED_FORWARD)},
     "torch quantize_per_tensor buffer": {
         True: Outcome(REFUSED, r"asked for torch\.qint8 and made torch\.float32 on meta")
     },
     "torch .to('cpu') inside": {
-        mode: _broken(
+        mode: broken(
             "crash: `.to('cpu')` of a meta module inside the build raises 'Cannot copy out of "
             "meta tensor; no data!'"
         )
         for mode in MODES
     },
-    "timm HybridEmbed eval-mode probe": {False: _broken(_MIXED_FORWARD)},
+    "timm HybridEmbed eval-mode probe": {False: broken(_MIXED_FORWARD)},
     "torch save/load round trip of a layer": {
         mode: Outcome(REFUSED, r"torch\.load \(or pickle\) rebuilt it") for mode in MODES
     },
@@ -1685,7 +1662,7 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     },
     "numpy qr of a torch draw via .numpy()": {
         False: Outcome(REFUSED, r"numpy read the values"),
-        True: _broken(
+        True: broken(
             "crash: `.numpy()` of the meta draw raises 'can't convert meta device type tensor "
             "to numpy' in the build"
         ),
@@ -1693,31 +1670,9 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
 }
 
 
-def _cases() -> list:
-    cases = []
-    for name in IDIOMS:
-        for mode in MODES:
-            outcome = OUTCOMES.get(name, {}).get(mode, Outcome(EXACT))
-            marks = (
-                [pytest.mark.xfail(strict=True, reason=outcome.broken)] if outcome.broken else []
-            )
-            cases.append(pytest.param(name, mode, outcome, marks=marks, id=f"{name}-{mode}"))
-    return cases
-
-
-@pytest.mark.parametrize(("idiom", "include_buffers", "outcome"), _cases())
+@pytest.mark.parametrize(("idiom", "include_buffers", "outcome"), idiom_cases(IDIOMS, OUTCOMES))
 def test_library_init_idioms_are_exact_or_refused_upfront(idiom, include_buffers, outcome):
-    init = IDIOMS[idiom]
-    ref = build_eagerly(lambda: Built(init))
-    model = build_empty(lambda: Built(init), include_buffers)
-    if outcome.kind == EXACT:
-        materialize_exactly(model, ref)
-    elif outcome.kind == REFUSED:
-        assert_refused(model, because=outcome.because)
-    elif metamode.is_materializable(model):
-        materialize_exactly(model, ref)
-    else:
-        assert_refused(model, because=outcome.because)
+    check_idiom(IDIOMS[idiom], include_buffers, outcome)
 
 
 @pytest.mark.parametrize("include_buffers", MODES)

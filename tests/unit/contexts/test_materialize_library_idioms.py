@@ -23,24 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
-    assert_refused,
+    REFUSED,
+    Outcome,
+    broken,
     build_eagerly,
     build_empty,
+    check_idiom,
+    idiom_cases,
     materialize_exactly,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-class Built(nn.Module):
-    """A module whose constructor is ``init(self)``."""
-
-    def __init__(self, init: Callable[[nn.Module], None]) -> None:
-        super().__init__()
-        init(self)
 
 
 # == timm ===================================================================================
@@ -863,29 +858,12 @@ IDIOMS: dict[str, Callable[[nn.Module], None]] = {
 
 # == what each idiom gives ==================================================================
 
-EXACT = "exact"
-REFUSED = "refused"
-EITHER = "either"  # exact, or refused upfront for the reason ``because`` names
-
-
-class Outcome:
-    """What the promise allows for one idiom in one mode, and (``broken``) what happens
-    instead today; a broken one runs as a strict xfail."""
-
-    def __init__(self, kind: str, because: str | None = None, broken: str | None = None) -> None:
-        self.kind, self.because, self.broken = kind, because, broken
-
-
-def _broken(what: str, because: str | None = None) -> Outcome:
-    return Outcome(EITHER if because else EXACT, because, what)
-
-
 _BOOL_READ = r"__bool__ read the values of a tensor the build computed from random numbers"
 
 # idiom -> {include_buffers: Outcome}; an idiom not listed is exact in both modes
 OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "timm drop-path linspace.split .tolist()": {
-        True: _broken(
+        True: broken(
             "crash: `.tolist()` of a split meta linspace raises 'Cannot copy out of meta "
             "tensor; no data!' in the build (plain torch.device('meta') fails the same way)"
         )
@@ -898,7 +876,7 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     },
     "torch trunc_normal_ EMA codebook buffer": {False: Outcome(REFUSED, _BOOL_READ)},
     "peft BOFT": {
-        True: _broken(
+        True: broken(
             "crash: PEFT's perm2mat writes `perm_mat[i, idx] = 1` with a 0-d meta index from a "
             "meta arange, raising 'Tensor.item() cannot be called on meta tensors' in the build "
             "(plain torch.device('meta') fails the same way)"
@@ -915,31 +893,9 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
 }
 
 
-def _cases() -> list:
-    cases = []
-    for name in IDIOMS:
-        for mode in MODES:
-            outcome = OUTCOMES.get(name, {}).get(mode, Outcome(EXACT))
-            marks = (
-                [pytest.mark.xfail(strict=True, reason=outcome.broken)] if outcome.broken else []
-            )
-            cases.append(pytest.param(name, mode, outcome, marks=marks, id=f"{name}-{mode}"))
-    return cases
-
-
-@pytest.mark.parametrize(("idiom", "include_buffers", "outcome"), _cases())
+@pytest.mark.parametrize(("idiom", "include_buffers", "outcome"), idiom_cases(IDIOMS, OUTCOMES))
 def test_library_idioms_are_exact_or_refused_upfront(idiom, include_buffers, outcome):
-    init = IDIOMS[idiom]
-    ref = build_eagerly(lambda: Built(init))
-    model = build_empty(lambda: Built(init), include_buffers)
-    if outcome.kind == EXACT:
-        materialize_exactly(model, ref)
-    elif outcome.kind == REFUSED:
-        assert_refused(model, because=outcome.because)
-    elif metamode.is_materializable(model):
-        materialize_exactly(model, ref)
-    else:
-        assert_refused(model, because=outcome.because)
+    check_idiom(IDIOMS[idiom], include_buffers, outcome)
 
 
 # -- the plain ``weight`` attribute of the old hook-based reparametrisations --------------------
