@@ -169,12 +169,19 @@ def parse_callgrind_total(text: str) -> int:
 
 
 def measure(
-    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str | None
+    model: str,
+    include_buffers: bool,
+    replayable: bool,
+    tiny: bool,
+    shim: str | None,
+    log_only: bool = False,
 ) -> dict[str, Any]:
     """Build ``model`` once under the cell's context and report what was measured.
 
     With ``shim`` (the compiled shim's path), callgrind's instrumentation is on only
     around the ``with`` block; the caller reads the instruction count from the dump.
+    With ``log_only``, the replayable build's recorder only appends each call to a list:
+    the floor of any recorder that sees the same calls.
     """
     import gc
 
@@ -186,9 +193,12 @@ def measure(
     callgrind = _Callgrind(shim) if shim else None
     torch.set_num_threads(1)
     workloads.build(model, tiny=True)  # warm-up: lazy imports, first kernels
+    if log_only:
+        _log_only()
     with metamode.empty_weights(replayable=True):  # metamode's first use imports its
         warm = workloads.build(model, tiny=True)  # integrations
-    metamode.materialize(warm)
+    if not log_only:
+        metamode.materialize(warm)
     with metamode.empty_weights(include_buffers=include_buffers, replayable=replayable):
         workloads.build(model, tiny=True)
     del warm
@@ -211,10 +221,34 @@ def measure(
     }
 
 
+def _log_only() -> None:
+    """Make this process's recorders append each call and registration to a list and do
+    nothing else (nothing is left to materialize: the warm-up does not)."""
+    from metamode._core.recording import recorder
+
+    def record(self: Any, func: Any, args: tuple, kwargs: dict, runner: Any) -> Any:
+        result, _ = runner.placed_call(func, args, kwargs)
+        self.__dict__.setdefault("log", []).append((func, args, kwargs, result))
+        return result
+
+    def registered(self: Any, original: Any, placed: Any, module: Any = None, name: Any = None):
+        self.__dict__.setdefault("log", []).append((original, placed, module, name))
+
+    recorder.Recorder.record = record  # type: ignore[method-assign]
+    recorder.Recorder.registered = registered  # type: ignore[method-assign]
+    recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
+
+
 def _child_command(
-    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str | None
+    model: str,
+    include_buffers: bool,
+    replayable: bool,
+    tiny: bool,
+    shim: str | None,
+    log_only: bool = False,
 ) -> list[str]:
-    call = f"b.measure({model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r})"
+    arguments = f"{model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r}, {log_only!r}"
+    call = f"b.measure({arguments})"
     code = f"import json, metamode.lab.bench_record as b; print({_RESULT!r} + json.dumps({call}))"
     return [sys.executable, "-c", code]
 
@@ -244,7 +278,13 @@ class Cell:
 
 
 def _callgrind_run(
-    model: str, include_buffers: bool, replayable: bool, tiny: bool, shim: str, keep: Path | None
+    model: str,
+    include_buffers: bool,
+    replayable: bool,
+    tiny: bool,
+    shim: str,
+    keep: Path | None,
+    log_only: bool = False,
 ) -> int:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
     with tempfile.TemporaryDirectory(prefix="metamode-callgrind-") as scratch:
@@ -254,7 +294,7 @@ def _callgrind_run(
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={out}.%p",
-            *_child_command(model, include_buffers, replayable, tiny, shim),
+            *_child_command(model, include_buffers, replayable, tiny, shim, log_only),
         ]
         done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
         result = _result(done, f"{what} under callgrind")
@@ -270,9 +310,11 @@ def _callgrind_run(
         return parse_callgrind_total(dumps[0].read_text())
 
 
-def _wall_run(model: str, include_buffers: bool, replayable: bool, tiny: bool) -> float:
+def _wall_run(
+    model: str, include_buffers: bool, replayable: bool, tiny: bool, log_only: bool = False
+) -> float:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
-    command = _child_command(model, include_buffers, replayable, tiny, None)
+    command = _child_command(model, include_buffers, replayable, tiny, None, log_only)
     done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
     return float(_result(done, what)["seconds"])
 
@@ -312,6 +354,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--reps", type=int, default=5, help="wall mode: runs per cell, best kept")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test)")
+    parser.add_argument(
+        "--log-only",
+        action="store_true",
+        help="the replayable column's recorder only appends each call to a list: the floor "
+        "of any recorder (its builds cannot be materialized)",
+    )
     parser.add_argument(
         "--keep",
         type=Path,
@@ -369,6 +417,8 @@ def main(argv: list[str]) -> int:
         else:
             mode = "callgrind"
     shape = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    if args.log_only:
+        print("replayable: a recorder that only appends each call to a list (--log-only)")
     cells = []
     if mode == "callgrind":
         try:
@@ -381,7 +431,9 @@ def main(argv: list[str]) -> int:
         )
         for include_buffers in modes:
             plain, replayable = (
-                _callgrind_run(args.model, include_buffers, r, args.tiny, shim, args.keep)
+                _callgrind_run(
+                    args.model, include_buffers, r, args.tiny, shim, args.keep, args.log_only
+                )
                 for r in (False, True)
             )
             cells.append(Cell(args.model, include_buffers, plain, replayable))
@@ -397,7 +449,7 @@ def main(argv: list[str]) -> int:
             for _ in range(args.reps):
                 for replayable in (False, True):
                     runs[replayable].append(
-                        _wall_run(args.model, include_buffers, replayable, args.tiny)
+                        _wall_run(args.model, include_buffers, replayable, args.tiny, args.log_only)
                     )
             cells.append(Cell(args.model, include_buffers, min(runs[False]), min(runs[True])))
     print(render(cells, mode))

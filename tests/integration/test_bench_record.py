@@ -11,7 +11,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import metamode
+from metamode._core.recording import recorder
 from metamode.lab import bench_record
 
 CALLGRIND_PROBLEMS = bench_record.callgrind_problems()
@@ -77,6 +80,31 @@ def test_wall_mode_prints_a_row_per_mode_with_its_ratio():
     assert lines[0].startswith("torch-small (tiny): wall time of the build (seconds, not instr")
     assert lines[1].split() == ["model", "mode", "plain", "ms", "replayable", "ms", "ratio"]
     _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+
+
+def test_log_only_swaps_the_recorder_for_one_that_only_appends():
+    done = _bench_record(
+        "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1", "--log-only"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == (
+        "replayable: a recorder that only appends each call to a list (--log-only)"
+    )
+    _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+
+
+def test_a_log_only_recorder_logs_every_call_and_records_nothing():
+    saved = {name: vars(recorder.Recorder)[name] for name in ("record", "registered", "close")}
+    try:
+        bench_record._log_only()
+        with metamode.empty_weights(replayable=True) as context:
+            torch.nn.Linear(2, 2)
+        log = context._recorder.log
+        assert any(call[0] is torch.nn.init.kaiming_uniform_ for call in log)
+        assert not context._recorder.program.calls
+    finally:
+        for name, method in saved.items():
+            setattr(recorder.Recorder, name, method)
 
 
 def test_without_valgrind_callgrind_mode_refuses_and_auto_says_it_fell_back(tmp_path):
