@@ -247,7 +247,9 @@ class Fact:
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
     no version counter), so nothing states what it writes. ``uninitialised``: its result
-    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``). ``unversioned``: the
+    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``). ``writes_positional``: it may
+    write a tensor passed positionally (False only where torch's schemas say no overload
+    does: an out-of-place aten op, whose ``out=`` is keyword-only). ``unversioned``: the
     tensor arguments it writes in place without moving their version counters (running
     statistics), or None.
     """
@@ -267,6 +269,7 @@ class Fact:
     addresses: bool = False
     unstated: bool = False
     uninitialised: bool = False
+    writes_positional: bool = True
     unversioned: UnversionedWrites | None = None
 
 
@@ -350,7 +353,15 @@ def _classify(func: Any) -> Fact:
         overwrites=name in OVERWRITING_METHOD_NAMES and _is_tensor_method(func),
         changes_geometry=name in _GEOMETRY_CHANGING
         or any(torch.Tag.inplace_view in op.tags for op in ops),
+        writes_positional=not ops
+        or name.endswith("_")
+        or any(_written(a) and not a.kwarg_only for op in ops for a in op._schema.arguments),
     )
+
+
+def _written(argument: Any) -> bool:
+    """Whether an op's schema marks ``argument`` written (``Tensor(a!)``)."""
+    return argument.alias_info is not None and argument.alias_info.is_write
 
 
 def _python_fact(func: FunctionType, name: str) -> Fact:

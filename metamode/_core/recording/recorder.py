@@ -408,7 +408,7 @@ class Recorder:
             versions = [t._version for t in tensors]
         except RuntimeError:  # an inference tensor among them
             versions = [_version(t) for t in tensors]
-            self._inference_arguments(tensors)
+            self._inference_arguments(tensors, fact, args)
         before = [self.ref(t) for t in tensors] if fact.changes_geometry or fact.random else None
         if before is None:
             self._check_writes(tensors, versions)
@@ -522,13 +522,18 @@ class Recorder:
         self._append(call, tensors, [], False)
         return result
 
-    def _inference_arguments(self, tensors: list[torch.Tensor]) -> None:
+    def _inference_arguments(self, tensors: list[torch.Tensor], fact: Fact, args: tuple) -> None:
         """A call is about to take inference tensors: under inference mode it may write
         them, and an inference tensor has no version counter to show that, so their values
-        are unknown from here on (outside inference mode torch refuses to write them)."""
+        are unknown from here on (outside inference mode torch refuses to write them),
+        unless torch's schemas say the call writes none of those it was given
+        positionally."""
         if not torch.is_inference_mode_enabled():
             return
+        unwritten = set() if fact.writes_positional else {id(a) for a in args}
         for tensor in tensors:
+            if id(tensor) in unwritten:
+                continue
             if tensor.is_inference() and tensor.layout is torch.strided:
                 info = self.program.storages[self.ref(tensor).storage]
                 info.pinned = info.pinned or _INFERENCE_ARGUMENT

@@ -771,12 +771,6 @@ def test_a_table_computed_by_an_inference_mode_function_params_only():
     assert_eager_equal(lambda: Inference(_rotary_table))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="over-refusal: torch.arange(4.).cos() inside an @torch.inference_mode() function "
-    "is refused ('an inference tensor that a call under inference_mode took'), though cos "
-    "is out of place (its schema writes nothing) and the result is eager's",
-)
 def test_a_table_computed_by_an_inference_mode_function_with_buffers():
     assert_eager_equal(lambda: Inference(_rotary_table), include_buffers=True)
 
