@@ -9,15 +9,14 @@ random draws included, do not depend on them.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["ProcessSettings", "now"]
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessSettings:
+class ProcessSettings(NamedTuple):
     """The values of the settings; each changes some CPU kernels' bits."""
 
     # torch.set_float32_matmul_precision: "high"/"medium" let CPU matmuls use bfloat16
@@ -28,18 +27,18 @@ class ProcessSettings:
     mkldnn: bool
 
     def differences(self, other: ProcessSettings) -> list[str]:
-        """What ``other`` sets otherwise, as ``name: ours -> theirs``."""
+        """What ``other`` sets otherwise, as ``name ours -> theirs``."""
         return [
-            f"{name} {getattr(self, name)!r} -> {getattr(other, name)!r}"
-            for name in self.__slots__
-            if getattr(self, name) != getattr(other, name)
+            f"{name} {ours!r} -> {theirs!r}"
+            for name, ours, theirs in zip(self._fields, self, other, strict=True)
+            if ours != theirs
         ]
 
 
 def now() -> ProcessSettings:
-    """The process's settings now."""
+    """The process's settings now (read where torch's own getters read them)."""
     return ProcessSettings(
-        torch.get_float32_matmul_precision(),
+        torch._C._get_float32_matmul_precision(),
         torch.get_num_threads(),
-        bool(torch.backends.mkldnn.enabled),
+        torch._C._get_mkldnn_enabled(),
     )

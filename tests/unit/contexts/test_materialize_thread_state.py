@@ -457,7 +457,7 @@ def _computed_names(include_buffers: bool) -> tuple[str, ...]:
 def test_every_process_setting_has_a_row():
     from metamode._core.recording.settings import ProcessSettings
 
-    assert sorted(_SETTINGS) == sorted(ProcessSettings.__slots__)
+    assert sorted(_SETTINGS) == sorted(ProcessSettings._fields)
 
 
 @pytest.mark.parametrize("include_buffers", MODES)
