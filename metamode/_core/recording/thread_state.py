@@ -11,9 +11,10 @@ state of the thread that materializes (``materialize`` inside ``torch.autocast``
 Inference mode changes no value, only the kind of tensor a call makes: a call recorded
 under it is replayed under ``torch.inference_mode()``, so its results are inference
 tensors as eager's are (an inference tensor has no version counter: the recorder pins one
-that a call under inference mode takes as an argument, since that call may write it
-unseen). Any other key a call ran under (a dispatch mode, a functorch transform) refuses
-the call: replay cannot do what that code did.
+that a call under inference mode takes as an argument it may write unseen, which is any
+but an aten op's positional argument its schemas mark unwritten). Any other key a call
+ran under (a dispatch mode, a functorch transform) refuses the call: replay cannot do what
+that code did.
 
 Grad mode changes no value and replay runs under ``torch.no_grad()``; the default dtype
 is process-wide, so a call whose result's dtype it decided keeps it and is refused when
