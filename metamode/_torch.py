@@ -43,6 +43,8 @@ private name                                     public alternative
                                                  (``StorageWeakRef``) to it, while it lives
 ``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
                                                  device type, which sets parts of them
+``torch._ops.OpOverload``                        none: the type of ``torch.ops.aten.<op>.<x>``
+``torch._utils._rebuild_meta_tensor_no_storage`` none: what unpickling a meta tensor calls
 ===============================================  ==========================================
 
 Used in place, where the object is at hand (hot paths, or one call site), and
@@ -97,6 +99,7 @@ __all__ = [
     "global_device_context",
     "CURRENT_DEVICE_NAME",
     "UninitializedTensorMixin",
+    "OpOverload",
     "VARIABLE_FUNCTIONS_NAME",
     "local_shape_and_offset",
     "make_subclass",
@@ -104,6 +107,7 @@ __all__ = [
     "mode_stack_depth",
     "pop_mode",
     "push_mode",
+    "rebuild_meta_tensor_no_storage",
     "registration_hooks",
     "storage_of",
     "set_global_device_context",
@@ -124,6 +128,10 @@ VariableFunctions = _VariableFunctions
 device_constructors = _device_constructors
 make_subclass = torch.Tensor._make_subclass
 UninitializedTensorMixin: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+OpOverload = torch._ops.OpOverload
+rebuild_meta_tensor_no_storage: Callable[..., torch.Tensor] = (
+    torch._utils._rebuild_meta_tensor_no_storage
+)
 # How doctor names what it reports and repairs.
 CURRENT_DEVICE_NAME = "torch.utils._device.CURRENT_DEVICE"
 VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from metamode._torch import device_constructors
+from metamode._torch import OpOverload, device_constructors, rebuild_meta_tensor_no_storage
 
 __all__ = [
     "INIT_FUNCTION_NAMES",
@@ -220,7 +220,7 @@ UNSTATED_WRITES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 
 # torch's functions that make a tensor from what a pickle of a meta tensor holds: its
 # metadata, no values (``torch.load``, ``pickle.loads``)
-_VALUELESS_REBUILDS = frozenset([torch._utils._rebuild_meta_tensor_no_storage.__code__])
+_VALUELESS_REBUILDS = frozenset([rebuild_meta_tensor_no_storage.__code__])
 
 
 def rebuilds_without_values(code: CodeType) -> bool:
@@ -383,7 +383,7 @@ def _unversioned_writes(func: Any, name: str, schemas: list[Any]) -> Unversioned
     the running statistics of :data:`UNSTATED_WRITES`, and the arguments other than ``self``
     an aten op's schema marks written (``Tensor(a!) running_mean`` of
     ``_native_batch_norm_legit``), which its kernel need not version either."""
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, OpOverload):
         schemas, name = [func._schema], func._schema.name.removeprefix("aten::")
     flag, written = UNSTATED_WRITES.get(name, (None, ()))
     if type(func) is FunctionType:

@@ -18,11 +18,12 @@ import math
 import sys
 import weakref
 from collections.abc import Callable
-from types import CodeType, FrameType, FunctionType
+from types import FrameType, FunctionType
 from typing import Any, Protocol
 
 import torch
 import torch.nn.utils.parametrize
+import torch.utils.deterministic
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
@@ -436,10 +437,10 @@ class Recorder:
         index = len(self.program.calls)
         refused = None
         try:
-            # a deep copy's memo holds the objects copied so far: replay copies one tensor
-            captured_args = self._capture(args if func is not _DEEPCOPY else args[:1], [], [])
-            if func is _DEEPCOPY:
-                captured_args = (*captured_args, {})
+            if func is _DEEPCOPY:  # its memo holds the objects copied so far: not replayed
+                captured_args = (*self._capture(args[:1], [], []), {})
+            else:
+                captured_args = self._capture(args, [], [])
             captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
@@ -629,7 +630,8 @@ class Recorder:
         if kwargs.get("dtype") is None:
             captured_kwargs["dtype"] = result.dtype
         ref = self.ref(result, creating_call=len(self.program.calls))
-        if kwargs.get("device") == "meta" and rebuilds_without_values(_caller_code()):
+        caller = _reader(sys._getframe(1)) if kwargs.get("device") == "meta" else None
+        if caller is not None and rebuilds_without_values(caller.f_code):
             self.program.storages[ref.storage].pinned = (
                 "torch.load (or pickle) rebuilt it from a tensor the build pickled on meta, "
                 "which holds no values (eager construction's pickle holds them); pickle the "
@@ -1204,7 +1206,7 @@ def _meta_dtype_refusal(args: tuple, kwargs: dict, made: list[torch.Tensor]) -> 
 def _fills_uninitialised() -> bool:
     """Whether torch fills the uninitialised memory its factories return now."""
     return torch.are_deterministic_algorithms_enabled() and bool(
-        torch._C._get_deterministic_fill_uninitialized_memory()
+        torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     )
 
 
@@ -1288,15 +1290,6 @@ def _reader(frame: FrameType | None) -> FrameType | None:
     while frame is not None and (frame.f_code.co_name == "__torch_function__" or _is_ours(frame)):
         frame = frame.f_back
     return frame
-
-
-def _caller_code() -> CodeType:
-    """The code that made the torch call being recorded (past modes and metamode's own)."""
-    frame = _reader(sys._getframe(1))
-    return frame.f_code if frame is not None else _NO_CODE
-
-
-_NO_CODE = _caller_code.__code__
 
 
 def _is_ours(frame: FrameType) -> bool:

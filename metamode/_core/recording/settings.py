@@ -36,9 +36,9 @@ class ProcessSettings(NamedTuple):
 
 
 def now() -> ProcessSettings:
-    """The process's settings now (read where torch's own getters read them)."""
+    """The process's settings now."""
     return ProcessSettings(
-        torch._C._get_float32_matmul_precision(),
+        torch.get_float32_matmul_precision(),
         torch.get_num_threads(),
-        torch._C._get_mkldnn_enabled(),
+        bool(torch.backends.mkldnn.enabled),
     )
