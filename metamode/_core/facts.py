@@ -29,6 +29,7 @@ __all__ = [
     "INIT_FUNCTION_NAMES",
     "OVERWRITING_METHOD_NAMES",
     "RANDOM_INIT_FUNCTION_NAMES",
+    "GROWING_NAMES",
     "UNINITIALISED_FACTORY_NAMES",
     "UNSTATED_WRITES",
     "VALUE_WRITING_METHOD_NAMES",
@@ -199,6 +200,9 @@ UNINITIALISED_FACTORY_NAMES = (
     "new_empty",
     "new_empty_strided",
 )
+# In-place calls that may grow their first argument's storage: torch fills the memory they
+# add as it fills a factory's, under the same two flags.
+GROWING_NAMES = ("resize_", "resize_as_")
 # torch functions (Python functions of torch's and aten ops, by name) that update running
 # statistics in place although their schema marks no argument written (``Tensor?``, not
 # ``Tensor(a!)``) and that move no version counter doing it: name -> (the argument that must
@@ -247,7 +251,8 @@ class Fact:
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
     no version counter), so nothing states what it writes. ``uninitialised``: its result
-    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``). ``writes_positional``: it may
+    is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``); ``grows``: the memory it adds
+    to its first argument's storage is (``GROWING_NAMES``). ``writes_positional``: it may
     write a tensor passed positionally (False only where torch's schemas say no overload
     does: an out-of-place aten op, whose ``out=`` is keyword-only). ``unversioned``: the
     tensor arguments it writes in place without moving their version counters (running
@@ -269,6 +274,7 @@ class Fact:
     addresses: bool = False
     unstated: bool = False
     uninitialised: bool = False
+    grows: bool = False
     writes_positional: bool = True
     unversioned: UnversionedWrites | None = None
 
@@ -350,6 +356,7 @@ def _classify(func: Any) -> Fact:
         generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
         factory=func in _factories(),
         uninitialised=name in UNINITIALISED_FACTORY_NAMES and bool(ops),
+        grows=name in GROWING_NAMES and _is_tensor_method(func),
         overwrites=name in OVERWRITING_METHOD_NAMES and _is_tensor_method(func),
         changes_geometry=name in _GEOMETRY_CHANGING
         or any(torch.Tag.inplace_view in op.tags for op in ops),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from metamode._core.recording.plan import DrawKey, Key, Plan, Step, Use
-from metamode._core.recording.program import Call, Origin, Start, TensorRef
+from metamode._core.recording.program import Call, Fill, Origin, Start, TensorRef
 from metamode._core.recording.recorder import GENERATOR
 from metamode._core.recording.streams import replayed
 from metamode._core.recording.thread_state import replaying
@@ -130,8 +130,12 @@ class _Run:
         default = torch.get_default_dtype()
         if call.default_dtype is not None and call.default_dtype != default:
             raise ReplayError(f"the default dtype changed to {default} during materialize")
+        grows = call.fills is Fill.ADDED
+        before = args[0].untyped_storage().nbytes() if grows else 0
         result = call.func(*args, **kwargs)
-        if call.fills:
+        if grows:
+            _fill_grown(args[0], before)
+        elif call.fills is Fill.RESULT:
             _fill_uninitialised(result)
         if not draws_only:
             _bind(call, result, serial, self.env, self.relaid)
@@ -226,6 +230,16 @@ def _fill_uninitialised(result: Any) -> None:
         result.fill_(True)
     else:
         result.fill_(torch.iinfo(result.dtype).max)
+
+
+def _fill_grown(tensor: torch.Tensor, before: int) -> None:
+    """Fill the elements a resize added past ``before`` bytes of ``tensor``'s storage, as
+    torch's deterministic fill of a resize does."""
+    storage = tensor.untyped_storage()
+    start, end = before // tensor.itemsize, storage.nbytes() // tensor.itemsize
+    if end > start:
+        added = torch.empty(0, dtype=tensor.dtype).set_(storage, start, (end - start,), (1,))
+        _fill_uninitialised(added)
 
 
 def _relaid(value: torch.Tensor, spec: TensorRef) -> torch.Tensor:

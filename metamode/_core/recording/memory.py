@@ -16,13 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bytes", "ExternalMemory", "Kept", "external", "refill"]
-
-
-def external(storage: torch.UntypedStorage) -> bool:
-    """Whether ``storage``'s memory belongs to code outside torch (torch did not allocate
-    it, so it cannot resize it)."""
-    return storage.device.type != "meta" and not storage.resizable()
+__all__ = ["Bytes", "ExternalMemory", "Kept", "refill"]
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

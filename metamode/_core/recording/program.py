@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "Call",
     "Draw",
+    "Fill",
     "Origin",
     "Outside",
     "Program",
@@ -90,15 +91,10 @@ class Outside:
     snapshot: Any = None  # memory.Bytes: its value at first read (memory torch does not own)
 
 
-@dataclass(slots=True)
 class Storage:
-    """One storage the build touched."""
+    """One storage the build touched. The fields after ``outside`` keep their class
+    defaults until the recorder learns otherwise (most storages never need them)."""
 
-    origin: Origin
-    device: str
-    nbytes: int
-    call: int | None = None  # the creating call, for CREATED
-    outside: Outside | None = None
     # the build left different values in it than eager construction would (a real
     # storage drawn from a generator state eager would not have been in)
     off: bool = False
@@ -106,6 +102,23 @@ class Storage:
     # why its value cannot be known, whatever the build writes to it later (its memory
     # was handed out, or a registered twin cannot share it)
     pinned: str | None = None
+
+    def __init__(
+        self,
+        origin: Origin,
+        device: str,
+        nbytes: int,
+        call: int | None = None,  # the creating call, for CREATED
+        outside: Outside | None = None,
+    ) -> None:
+        self.origin = origin
+        self.device = device
+        self.nbytes = nbytes
+        self.call = call
+        self.outside = outside
+
+    def __repr__(self) -> str:
+        return f"Storage({self.origin.name}, {self.device}, {self.nbytes} bytes)"
 
 
 class Start(enum.Enum):
@@ -138,7 +151,6 @@ class Draw:
     keywords: tuple[str, ...] = ("generator",)  # where replay passes it (none: it can't)
 
 
-@dataclass(slots=True)
 class Call:
     """One recorded call that created or wrote storage, or drew random numbers.
 
@@ -147,27 +159,38 @@ class Call:
     (seen by version counters), ``creates`` storages born here, ``result`` the result's
     structure. ``target`` is the storage of a first argument the call overwrites without
     reading its values, ``covers`` that storage when the argument is all of it.
-    ``refused`` says why the call cannot be replayed.
+    ``refused`` says why the call cannot be replayed. The fields after ``result`` keep
+    their class defaults unless the recorder sets them (most calls need none).
     """
 
-    func: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    reads: tuple[int, ...]
-    writes: tuple[int, ...]
-    creates: tuple[int, ...]
-    result: Any
     draws: tuple[Draw, ...] = ()
     target: int | None = None
     covers: int | None = None
     refused: str | None = None
     default_dtype: torch.dtype | None = None  # the result's dtype came from the default
-    # torch filled its uninitialised result (deterministic algorithms, fill on)
-    fills: bool = False
+    fills: Fill | None = None  # memory torch filled (deterministic algorithms, fill on)
     # the process-wide settings it computed from tensor values under (a ProcessSettings)
     settings: Any = None
     state: Any = None  # the thread state it ran under (a ThreadState), None: torch's default
-    seq: int = -1  # orders calls across programs (next(_SEQUENCE) when recorded)
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reads: tuple[int, ...],
+        writes: tuple[int, ...],
+        creates: tuple[int, ...],
+        result: Any,
+    ) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.reads = reads
+        self.writes = writes
+        self.creates = creates
+        self.result = result
+        self.seq = next(_SEQUENCE)  # orders calls across programs (threads, chained builds)
 
     def __repr__(self) -> str:
         name = getattr(func := self.func, "__qualname__", None) or repr(func)
@@ -181,6 +204,15 @@ class Call:
             notes.append(f"refused: {self.refused}")
         note = f"  # {'; '.join(notes)}" if notes else ""
         return f"{self.result!r} = {name}({args}){note}"
+
+
+class Fill(enum.Enum):
+    """Memory a call left uninitialised that torch filled (NaN, or an integer dtype's
+    largest value) under ``torch.use_deterministic_algorithms(True)`` with
+    ``torch.utils.deterministic.fill_uninitialized_memory`` on."""
+
+    RESULT = "all of its result"  # torch.empty, empty_like, empty(out=)...
+    ADDED = "what it added to its first argument's storage"  # resize_, resize_as_
 
 
 class ProgramState(enum.Enum):

@@ -41,11 +41,11 @@ from metamode._core.facts import (
 from metamode._core.recording import registry, settings, thread_state
 from metamode._core.recording.branches import compared_otherwise
 from metamode._core.recording.held import Held, Named
-from metamode._core.recording.memory import ExternalMemory, Kept, external, refill
+from metamode._core.recording.memory import ExternalMemory, Kept, refill
 from metamode._core.recording.program import (
-    _SEQUENCE,
     Call,
     Draw,
+    Fill,
     Origin,
     Outside,
     Program,
@@ -78,7 +78,7 @@ class _Generator:
 GENERATOR = _Generator()
 _FOREIGN = object()  # noted while capturing: an argument whose memory a result may share
 _CPU = torch.device("cpu")
-_IMMUTABLE = frozenset(
+_IMMUTABLE = frozenset(  # types captured as they are
     [
         int,
         float,
@@ -95,10 +95,11 @@ _IMMUTABLE = frozenset(
         torch.Size,
     ]
 )
+_CAPTURED = _IMMUTABLE | {TensorRef}
 _TENSOR_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
 _TO = torch.Tensor.to
 _DEEPCOPY = torch.Tensor.__deepcopy__
-_GENERATOR_KEYWORD = ("generator",)
+_GENERATOR_KEYWORD: tuple[str, ...] = ("generator",)
 # what a call returns when it hands tensor data to Python (item, tolist, __bool__...)
 _VALUES = frozenset([int, float, bool, complex, list, str])
 
@@ -149,6 +150,9 @@ class Recorder:
         self._views: dict[int, set[int]] = {}
         self._memory = ExternalMemory()  # storages whose memory torch does not own
         self._real: set[int] = set()  # storages a recorded call created off meta
+        self._off = False  # whether any storage is off (Storage.off) yet
+        # storages a write needs more than counting for: outside ones, registered views
+        self._special: set[int] = set()
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(
@@ -158,33 +162,37 @@ class Recorder:
         call: int | None,
         storage: torch.UntypedStorage,
     ) -> int:
-        index = len(self.program.storages)
+        storages = self.program.storages
+        index = len(storages)
         outside = None
-        device = "meta" if tensor.is_meta else tensor.device.type
-        snapshot = (
-            self._memory.watch(index, storage) if device != "meta" and external(storage) else None
-        )
-        if origin is Origin.OUTSIDE:
-            # held (its value is read at materialize time), or copied where torch does not
-            # own the memory and so cannot say whether it changed
-            kept = Kept(tensor if snapshot is None else None)
-            outside = Outside(kept, _version(tensor), storage._cdata, None, snapshot=snapshot)
-        self.program.storages.append(Storage(origin, device, storage.nbytes(), call, outside))
-        if origin is Origin.CREATED and device != "meta":
-            self._real.add(index)
+        if tensor.is_meta:
+            device = "meta"
+        else:
+            device = "cpu" if tensor.is_cpu else tensor.device.type
+            # memory torch did not allocate (NumPy's, a Python buffer's) cannot be resized
+            snapshot = None if storage.resizable() else self._memory.watch(index, storage)
+            if origin is Origin.OUTSIDE:
+                # held (its value is read at materialize time), or copied where torch does
+                # not own the memory and so cannot say whether it changed
+                kept = Kept(tensor if snapshot is None else None)
+                outside = Outside(kept, _version(tensor), storage._cdata, None, snapshot=snapshot)
+            elif origin is Origin.CREATED:
+                self._real.add(index)
+        info = Storage(origin, device, storage.nbytes(), call, outside)
+        storages.append(info)
         if tensor.is_inference():
-            self.program.storages[
-                index
-            ].refused = "it is an inference tensor: it has no version counter to show its writes"
+            info.refused = "it is an inference tensor: it has no version counter to show its writes"
         elif origin is Origin.UNKNOWN and registry.entry(tensor) is not None:
-            self.program.storages[index].refused = (
+            info.refused = (
                 "it was computed from a tensor made in another metamode.empty_weights "
                 "context; materialize that one first"
             )
         self._epochs.append(0)
-        self._storages[storage._cdata] = (index, StorageWeakRef(storage))
+        keep = StorageWeakRef(storage)
+        self._storages[storage._cdata] = (index, keep)
         if outside is not None:
-            outside.keep = self._storages[storage._cdata][1]
+            outside.keep = keep
+            self._special.add(index)
         return index
 
     def _check_writes(self, tensors: list[torch.Tensor], versions: list[int]) -> None:
@@ -295,22 +303,12 @@ class Recorder:
         self._epochs[ref.storage] += 1
         if ref.storage in self._views:
             self._apart(ref.storage)
-        self.program.calls.append(
-            Call(
-                _unseen_write,
-                (ref,),
-                {},
-                reads=(),
-                writes=(ref.storage,),
-                creates=(),
-                result=None,
-                refused=(
-                    "it was written by code metamode did not record (with torch functions "
-                    "disabled, or in a C++ extension)"
-                ),
-                seq=next(_SEQUENCE),
-            )
+        call = Call(_unseen_write, (ref,), {}, (), (ref.storage,), (), None)
+        call.refused = (
+            "it was written by code metamode did not record (with torch functions "
+            "disabled, or in a C++ extension)"
         )
+        self.program.calls.append(call)
 
     # -- arguments ----------------------------------------------------------------------
     def _capture(self, value: Any, tensors: list, generators: list) -> Any:
@@ -321,17 +319,17 @@ class Recorder:
             tensors.append(value)
             return self.ref(value, check=False)
         if kind is tuple:
-            for item in value:
-                if type(item) not in _IMMUTABLE:
-                    return tuple([self._capture(v, tensors, generators) for v in value])
-            return value
+            if _IMMUTABLE.issuperset(map(type, value)):
+                return value
+            return tuple([self._capture(v, tensors, generators) for v in value])
         if kind is list:
             return [self._capture(v, tensors, generators) for v in value]
         if kind is dict:
             captured = dict(value)
-            for key, item in value.items():
-                if type(item) not in _IMMUTABLE:
-                    captured[key] = self._capture(item, tensors, generators)
+            if not _IMMUTABLE.issuperset(map(type, value.values())):
+                for key, item in value.items():
+                    if type(item) not in _IMMUTABLE:
+                        captured[key] = self._capture(item, tensors, generators)
             return captured
         if kind is torch.device:
             return _CPU
@@ -410,10 +408,14 @@ class Recorder:
         except RuntimeError:  # an inference tensor among them
             versions = [_version(t) for t in tensors]
             self._inference_arguments(tensors, fact, args)
-        before = [self.ref(t) for t in tensors] if fact.changes_geometry or fact.random else None
+        # torch resizes a call's out= tensor as it needs: its geometry may change too
+        reshapes = fact.changes_geometry or "out" in kwargs
+        before = [self.ref(t) for t in tensors] if reshapes or fact.random else None
         if before is None:
             self._check_writes(tensors, versions)
         draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
+        # a call that may change its arguments' geometry is replayed on them as they were
+        early = self._captured(func, args, kwargs) if reshapes else None
         result, skipped = runner.placed_call(func, args, kwargs)
         try:
             written = [t for t, v in zip(tensors, versions, strict=True) if t._version != v]
@@ -423,7 +425,7 @@ class Recorder:
             written.append(tensors[0])
         if fact.unversioned is not None:  # writes no version counter shows
             written += fact.unversioned.tensors(args, kwargs)
-        if fact.changes_geometry:
+        if reshapes:
             for tensor in tensors:
                 self._tensors.pop(id(tensor), None)
         ids = {id(t) for t in tensors}
@@ -435,15 +437,7 @@ class Recorder:
             return result
         inputs = before if before is not None else [self.ref(t, check=False) for t in tensors]
         index = len(self.program.calls)
-        refused = None
-        try:
-            if func is _DEEPCOPY:  # its memo holds the objects copied so far: not replayed
-                captured_args = (*self._capture(args[:1], [], []), {})
-            else:
-                captured_args = self._capture(args, [], [])
-            captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
-        except CannotCapture as error:
-            captured_args, captured_kwargs, refused = (), {}, str(error)
+        captured_args, captured_kwargs, refused = early or self._captured(func, args, kwargs)
         creates: list[int] = []
         captured_result = self._results(result, creates, index)
         if fact.factory:
@@ -460,20 +454,22 @@ class Recorder:
             func,
             captured_args,
             captured_kwargs,
-            reads=(inputs[0].storage,)
+            (inputs[0].storage,)
             if len(inputs) == 1
             else tuple(dict.fromkeys(ref.storage for ref in inputs)),
-            writes=tuple(sorted(writes)),
-            creates=tuple(creates),
-            result=captured_result,
-            refused=refused
-            or _subclass_refusal(tensors)
-            or _meta_dtype_refusal(args, kwargs, made),
-            default_dtype=_default_dtype_use(fact, kwargs, inputs, made),
-            fills=fact.uninitialised and bool(creates) and _fills_uninitialised(),
-            settings=settings.now() if inputs else None,
-            seq=next(_SEQUENCE),
+            tuple(sorted(writes)),
+            tuple(creates),
+            captured_result,
         )
+        refused = refused or _subclass_refusal(tensors) or _meta_dtype_refusal(args, kwargs, made)
+        if refused is not None:
+            call.refused = refused
+        if made and not fact.factory:
+            call.default_dtype = _default_dtype_use(kwargs, inputs, made)
+        if (fact.uninitialised or fact.grows) and _fills_uninitialised():
+            call.fills = Fill.ADDED if fact.grows else Fill.RESULT
+        if inputs:
+            call.settings = settings.now()
         if fact.overwrites and inputs:
             call.target = inputs[0].storage
             if _covers(inputs[0], self.program.storages):
@@ -492,6 +488,17 @@ class Recorder:
                     self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
 
+    def _captured(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, str | None]:
+        """A call's arguments captured by value, or why they cannot be."""
+        try:
+            if func is _DEEPCOPY:  # its memo holds the objects copied so far: not replayed
+                captured_args = (*self._capture(args[:1], [], []), {})
+            else:
+                captured_args = self._capture(args, [], [])
+            return captured_args, self._capture(kwargs, [], []) if kwargs else {}, None
+        except CannotCapture as error:
+            return (), {}, str(error)
+
     def _unstated(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A tensor method whose effect on the values torch's schema does not state
         (``apply_``, ``map_``: they run a Python function over the memory and move no
@@ -504,21 +511,13 @@ class Recorder:
         target = tensors[0]
         result = target if target.is_meta else func(*args, **kwargs)
         inputs = [self.ref(t) for t in tensors]
-        call = Call(
-            func,
-            (),
-            {},
-            reads=tuple(dict.fromkeys(ref.storage for ref in inputs)),
-            writes=(inputs[0].storage,),
-            creates=(),
-            result=None,
-            refused=(
-                f"it was written by {_name(func)}(), which torch binds without an operator "
-                f"schema: what it does to the values (a Python function run over the "
-                f"memory, for apply_ and map_) is neither versioned nor replayable; compute "
-                f"the values with torch operations"
-            ),
-            seq=next(_SEQUENCE),
+        reads = tuple(dict.fromkeys(ref.storage for ref in inputs))
+        call = Call(func, (), {}, reads, (inputs[0].storage,), (), None)
+        call.refused = (
+            f"it was written by {_name(func)}(), which torch binds without an operator "
+            f"schema: what it does to the values (a Python function run over the "
+            f"memory, for apply_ and map_) is neither versioned nor replayable; compute "
+            f"the values with torch operations"
         )
         self._append(call, tensors, [], False)
         return result
@@ -554,60 +553,46 @@ class Recorder:
             storage = self.program.storages[index]
             nbytes = storage.nbytes
             target = TensorRef(index, torch.uint8, (nbytes,), (1,), 0)
-            call = Call(
-                refill,
-                (target, data),
-                {},
-                reads=(),
-                writes=(index,),
-                creates=(),
-                result=None,
-                target=index,
-                covers=index,
-                refused=(
+            call = Call(refill, (target, data), {}, (), (index,), (), None)
+            call.target = call.covers = index
+            if storage.off:
+                call.refused = (
                     "its memory, which torch does not own (NumPy, a Python buffer), was "
                     "changed outside torch after the build computed it from random numbers "
                     "eager construction draws differently"
-                    if storage.off
-                    else None
-                ),
-                seq=next(_SEQUENCE),
-            )
+                )
             self._append(call, [], [], False)
 
     def _skipped(self, func: Any, fact: Fact, args: tuple, kwargs: dict, target: Any) -> Any:
         """A value-initialising call the context skipped on meta: it writes ``target``."""
         ref = self.ref(target)
         generators: list[Any] = []
+        refused = None
         try:
-            if args and args[0] is target:  # its reference is known: capture the rest
-                rest = self._capture(args[1:], [], generators) if len(args) > 1 else ()
-                captured_args = (ref, *rest)
+            if not args:
+                captured_args: tuple = ()
+            elif args[0] is not target:
+                captured_args = self._capture(args, [], generators)
+            elif len(args) == 1 or _IMMUTABLE.issuperset(map(type, args[1:])):
+                captured_args = (ref, *args[1:])
             else:
-                captured_args = self._capture(args, [], generators) if args else ()
-            captured_kwargs = {}
-            for key, value in kwargs.items():  # torch.nn.init passes all by keyword
-                if type(value) in _IMMUTABLE:
-                    captured_kwargs[key] = value
-                elif value is target:
-                    captured_kwargs[key] = ref
-                else:
-                    captured_kwargs[key] = self._capture(value, [], generators)
-            refused = None
+                captured_args = (ref, *self._capture(args[1:], [], generators))
+            captured_kwargs = kwargs.copy()  # torch.nn.init passes all by keyword
+            if kwargs.get("tensor") is target:
+                captured_kwargs["tensor"] = ref
+            if not _CAPTURED.issuperset(map(type, captured_kwargs.values())):
+                for key, value in kwargs.items():
+                    if value is target:
+                        captured_kwargs[key] = ref
+                    elif type(value) not in _IMMUTABLE:
+                        captured_kwargs[key] = self._capture(value, [], generators)
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
         draws = self._begin_draws(fact, generators, [target], kwargs) if fact.random else []
-        call = Call(
-            func,
-            captured_args,
-            captured_kwargs,
-            reads=(ref.storage,),
-            writes=(ref.storage,),
-            creates=(),
-            result=ref,
-            refused=refused,
-            seq=next(_SEQUENCE),
-        )
+        storage = (ref.storage,)
+        call = Call(func, captured_args, captured_kwargs, storage, storage, (), ref)
+        if refused is not None:
+            call.refused = refused
         if fact.overwrites:
             call.target = ref.storage
             if _covers(ref, self.program.storages):
@@ -620,37 +605,51 @@ class Recorder:
         result, _ = runner.placed_call(func, args, kwargs)
         if not _is_tensor(type(result)):
             return result
+        captured_kwargs = kwargs.copy()
+        captured_kwargs.pop("device", None)  # replay makes it on the CPU
+        refused = None
         try:
             captured_args = self._capture(args, [], [])
-            captured_kwargs = self._capture(kwargs, [], []) if kwargs else {}
-            refused = None
+            if not _IMMUTABLE.issuperset(map(type, captured_kwargs.values())):
+                captured_kwargs = self._capture(captured_kwargs, [], [])
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
         captured_kwargs["device"] = _CPU
         if kwargs.get("dtype") is None:
             captured_kwargs["dtype"] = result.dtype
-        ref = self.ref(result, creating_call=len(self.program.calls))
-        caller = _reader(sys._getframe(1)) if kwargs.get("device") == "meta" else None
-        if caller is not None and rebuilds_without_values(caller.f_code):
-            self.program.storages[ref.storage].pinned = (
-                "torch.load (or pickle) rebuilt it from a tensor the build pickled on meta, "
-                "which holds no values (eager construction's pickle holds them); pickle the "
-                "module after materialize"
-            )
-        call = Call(
-            func,
-            captured_args,
-            captured_kwargs,
-            reads=(),
-            writes=(),
-            creates=(ref.storage,),
-            result=ref,
-            refused=refused,
-            fills=fact.uninitialised and _fills_uninitialised(),
-            seq=next(_SEQUENCE),
-        )
+        index = len(self.program.calls)
+        if type(result) is torch.Tensor and result.layout is torch.strided:
+            ref = self._created(result, index)
+        else:
+            ref = self.ref(result, creating_call=index)
+        if kwargs.get("device") == "meta":
+            caller = _reader(sys._getframe(1))
+            if caller is not None and rebuilds_without_values(caller.f_code):
+                self.program.storages[ref.storage].pinned = (
+                    "torch.load (or pickle) rebuilt it from a tensor the build pickled on "
+                    "meta, which holds no values (eager construction's pickle holds them); "
+                    "pickle the module after materialize"
+                )
+        call = Call(func, captured_args, captured_kwargs, (), (), (ref.storage,), ref)
+        if refused is not None:
+            call.refused = refused
+        if fact.uninitialised and _fills_uninitialised():
+            call.fills = Fill.RESULT
         self._append(call, [], [], False)
         return result
+
+    def _created(self, tensor: torch.Tensor, call: int) -> TensorRef:
+        """What :meth:`ref` gives a plain strided tensor a factory just made: memory of its
+        own that torch allocated, at offset 0, with no conjugate or negative bit."""
+        storage = tensor.untyped_storage()
+        index = self._new_storage(tensor, Origin.CREATED, call, storage)
+        ref = TensorRef(index, tensor.dtype, tuple(tensor.shape), tensor.stride(), 0)
+        try:
+            version = tensor._version
+        except RuntimeError:
+            version = -1
+        self._tensors[id(tensor)] = (_hold(tensor, storage), ref, version, 0)
+        return ref
 
     def _stand_in(self, func: Any, original: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
         """A library's stand-in for a ``torch.nn.init`` function (transformers' checks a
@@ -694,9 +693,9 @@ class Recorder:
         if not generators and keywords is None and kwargs.get("device") is None:
             track = self._default_track
             if track is not None and (not tensors or tensors[0].is_meta or tensors[0].is_cpu):
-                draw = before_draw(track, self.program, self._last_draw.get(track.stream))
-                draw.keywords = _GENERATOR_KEYWORD if fact.generator else ()
-                return [(track, draw)]
+                last = self._last_draw.get(track.stream)
+                passed = _GENERATOR_KEYWORD if fact.generator else ()
+                return [(track, before_draw(track, self.program, last, passed))]
         tracks = self._tracks(generators, tensors, kwargs)
         names = keywords or (("generator",) if fact.generator else ("",)) * len(tracks)
         grouped: dict[int, tuple[GeneratorTrack | None, str, list[str]]] = {}
@@ -709,8 +708,7 @@ class Recorder:
             if track is None:
                 draws.append((None, Draw(-1, Start.UNKNOWN, reason=unknown, keywords=kept)))
                 continue
-            draw = before_draw(track, self.program, self._last_draw.get(track.stream))
-            draw.keywords = kept
+            draw = before_draw(track, self.program, self._last_draw.get(track.stream), kept)
             draws.append((track, draw))
         return draws
 
@@ -732,11 +730,7 @@ class Recorder:
                 call.refused = call.refused or thread_state.autocast_on_meta(
                     state, call.func, tensors
                 )
-        off = False
-        for read in call.reads:
-            if storages[read].off:
-                off = True
-                break
+        off = self._off and any(storages[read].off for read in call.reads)
         if draws:
             index = len(program.calls)
             for track, draw in draws:
@@ -747,26 +741,21 @@ class Recorder:
                     mark(track, program, index)
                     off = off or drew_real
                 self._last_draw[track.stream] = index
-            call.draws = tuple([draw for _, draw in draws])
-        views = self._views
+            call.draws = (draws[0][1],) if len(draws) == 1 else tuple([d for _, d in draws])
+        special = self._special
         for storage in call.writes:
             epochs[storage] += 1
-            if views and storage in views:
-                self._apart(storage)
-            info = storages[storage]
-            if off and info.device != "meta":
-                info.off = True
-            if info.outside is not None:
-                info.outside.written = True
-                info.outside.tensor = _NOTHING  # its first value is no longer needed
-            if self._memory.active:
+            if storage in special:
+                self._written(storage)
+            if off and storages[storage].device != "meta":
+                storages[storage].off = self._off = True
+        if self._memory.active:
+            for storage in call.writes:
                 self._memory.written(storage)
         for storage in call.creates:
             epochs[storage] += 1
-            if off:
-                info = storages[storage]
-                if info.device != "meta":
-                    info.off = True
+            if off and storages[storage].device != "meta":
+                storages[storage].off = self._off = True
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))
@@ -777,6 +766,16 @@ class Recorder:
                     version = -1
                 known[id(tensor)] = (seen[0], seen[1], version, epochs[seen[1].storage])
         program.calls.append(call)
+
+    def _written(self, storage: int) -> None:
+        """A recorded call wrote ``storage``, which came from outside the recording or is
+        one side of a registered view."""
+        if storage in self._views:
+            self._apart(storage)
+        outside = self.program.storages[storage].outside
+        if outside is not None:
+            outside.written = True
+            outside.tensor = _NOTHING  # its first value is no longer needed
 
     def _tracks(
         self, generators: list[torch.Generator], tensors: list[torch.Tensor], kwargs: dict
@@ -854,17 +853,9 @@ class Recorder:
             captured["default_generator"] = None
             generators = [*(generators or [torch.default_generator]), torch.default_generator]
             keywords = ("generator", "default_generator")
-        call = Call(
-            shortcut.replay,
-            (ref,),
-            captured,
-            reads=(ref.storage,),
-            writes=(ref.storage,),
-            creates=(),
-            result=ref,
-            target=ref.storage,
-            seq=next(_SEQUENCE),
-        )
+        storage = (ref.storage,)
+        call = Call(shortcut.replay, (ref,), captured, storage, storage, (), ref)
+        call.target = ref.storage
         if _covers(ref, self.program.storages):
             call.covers = ref.storage
         fact = Fact(shortcut.function.__name__, random=shortcut.random, generator=True)
@@ -953,7 +944,7 @@ class Recorder:
                 keep = StorageWeakRef(storage)
                 self._storages[storage._cdata] = (ref.storage, keep)
                 self._tensors[id(placed)] = (
-                    _hold(placed),
+                    _hold(placed, storage),
                     ref,
                     _version(placed),
                     self._epochs[ref.storage],
@@ -973,10 +964,14 @@ class Recorder:
                     )
                 self._views.setdefault(ref.storage, set()).add(twin)
                 self._views.setdefault(twin, set()).add(ref.storage)
+                self._special.update((ref.storage, twin))
                 if len(self._views[ref.storage]) > 1:  # a second view cut from it
                     self._apart(ref.storage)
         entry = registry.add(target, self.program, module, name, named)
-        if (placed is not None and self._memory.owns(ref.storage)) or self._memory.aliased(target):
+        memory = self._memory
+        if memory.active and (
+            (placed is not None and memory.owns(ref.storage)) or memory.aliased(target)
+        ):
             entry.refused = (
                 "eager construction registers memory torch does not own (torch.from_numpy, "
                 "torch.asarray or torch.as_tensor of a NumPy array or Python buffer), which "
@@ -1003,18 +998,9 @@ class Recorder:
         source = self.ref(original)
         index = len(self.program.calls)
         made = self.ref(placed, creating_call=index)
-        self.program.calls.append(
-            Call(
-                _copy_as,
-                (source, made.size, made.stride, made.conj, made.neg),
-                {},
-                reads=(source.storage,),
-                writes=(),
-                creates=(made.storage,),
-                result=made,
-                seq=next(_SEQUENCE),
-            )
-        )
+        geometry = (source, made.size, made.stride, made.conj, made.neg)
+        call = Call(_copy_as, geometry, {}, (source.storage,), (), (made.storage,), made)
+        self.program.calls.append(call)
         return made
 
     # -- the end ------------------------------------------------------------------------
@@ -1104,10 +1090,9 @@ def _real_versions(
     """Storage index -> the version counters seen on the recording's tensors of each of
     the ``real`` storages (those a recorded call created off meta)."""
     versions: dict[int, set[int]] = {}
-    if real:
-        for _, ref, version, _ in tensors.values():
-            if ref.storage in real:
-                versions.setdefault(ref.storage, set()).add(version)
+    seen = [(entry[1].storage, entry[2]) for entry in tensors.values() if entry[1].storage in real]
+    for storage, version in seen:
+        versions.setdefault(storage, set()).add(version)
     return versions
 
 
@@ -1264,11 +1249,12 @@ def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
 
 
 def _default_dtype_use(
-    fact: Fact, kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
+    kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
 ) -> torch.dtype | None:
-    """The default dtype, if it decided a result's dtype (an integer input promoted, to
-    the default or, by a complex scalar, to its complex counterpart)."""
-    if fact.factory or "dtype" in kwargs or not made:
+    """The default dtype, if it decided the dtype of ``made``, a call's new results (an
+    integer input promoted, to the default or, by a complex scalar, to its complex
+    counterpart)."""
+    if "dtype" in kwargs:
         return None
     default = torch.get_default_dtype()
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):

@@ -20,6 +20,7 @@ skipped draws: deterministic, and not the state eager construction leaves.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -32,12 +33,14 @@ from metamode._core.recording.program import Draw, Program, Start
 __all__ = ["GeneratorTrack", "before_draw", "mark", "replayed"]
 
 
-@dataclass(slots=True)
 class _Marker:
-    program: weakref.ref[Program]
-    call: int  # eager's state is the one right after this call's draw on ...
-    stream: int  # ... this stream of the program
-    state: torch.Tensor | None = None  # that state, once a replay computed it
+    __slots__ = ("call", "program", "state", "stream")
+
+    def __init__(self, program: weakref.ref[Program], call: int, stream: int) -> None:
+        self.program = program
+        self.call = call  # eager's state is the one right after this call's draw on ...
+        self.stream = stream  # ... this stream of the program
+        self.state: torch.Tensor | None = None  # that state, once a replay computed it
 
 
 _MARKERS: dict[int, _Marker] = {}  # marker seed -> marker
@@ -102,37 +105,24 @@ def _fresh(generator: torch.Generator, seed: int) -> bool:
 
 
 _MASK = (1 << 64) - 1
+_ODD = 0x9E3779B97F4A7C15  # odd: multiplying by it is a bijection on 64 bits
+_ODD_INVERSE = pow(_ODD, -1, 1 << 64)
+_OFFSET = 0xD1B54A32D192ED03
 
 
 def _marker_value(program: Program, call: int, stream: int) -> int:
-    """A seed naming (program, call, stream): splitmix64 of the three packed, so distinct
+    """A seed naming (program, call, stream): the three packed into 64 bits, then
+    multiplied by an odd constant, offset and xor-shifted (each a bijection), so distinct
     triples give distinct seeds, spread far from the small seeds people pick."""
-    value = (program.serial & 0xFFFFFF) << 40 | (call & 0xFFFFFFFF) << 8 | stream & 0xFF
-    value = (value + 0x9E3779B97F4A7C15) & _MASK
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
-    return value ^ (value >> 31)
-
-
-_INVERSE_1 = pow(0xBF58476D1CE4E5B9, -1, 1 << 64)
-_INVERSE_2 = pow(0x94D049BB133111EB, -1, 1 << 64)
-
-
-def _unshift(value: int, shift: int) -> int:
-    """The inverse of ``value ^ (value >> shift)`` on 64 bits."""
-    result = value
-    for _ in range(64 // shift + 1):
-        result = value ^ (result >> shift)
-    return result & _MASK
+    packed = (program.serial & 0xFFFFFF) << 40 | (call & 0xFFFFFFFF) << 8 | stream & 0xFF
+    value = (packed * _ODD + _OFFSET) & _MASK
+    return value ^ (value >> 32)
 
 
 def _packed(seed: int) -> int:
-    """The (serial, call, stream) word whose :func:`_marker_value` is ``seed``
-    (splitmix64's finaliser is a bijection)."""
-    value = _unshift(seed & _MASK, 31)
-    value = _unshift((value * _INVERSE_2) & _MASK, 27)
-    value = _unshift((value * _INVERSE_1) & _MASK, 30)
-    return (value - 0x9E3779B97F4A7C15) & _MASK
+    """The (serial, call, stream) word whose :func:`_marker_value` is ``seed``."""
+    value = seed & _MASK
+    return ((value ^ (value >> 32)) - _OFFSET) * _ODD_INVERSE & _MASK
 
 
 def _dead_marker(seed: int) -> bool:
@@ -144,31 +134,48 @@ def _dead_marker(seed: int) -> bool:
     return last is not None and (packed >> 8) & 0xFFFFFFFF <= last
 
 
-def before_draw(track: GeneratorTrack, program: Program, last_call: int | None) -> Draw:
-    """Where eager's state of ``track``'s generator is now, for a draw about to be recorded;
-    ``last_call`` is this program's previous draw on the stream (None if none)."""
+def before_draw(
+    track: GeneratorTrack, program: Program, last_call: int | None, keywords: tuple[str, ...]
+) -> Draw:
+    """Where eager's state of ``track``'s generator is now, for a draw about to be recorded
+    that replay passes the generator to under ``keywords``; ``last_call`` is this
+    program's previous draw on the stream (None if none)."""
     generator = track.generator
     seed = generator.initial_seed()
+    if seed == track.marker and last_call is not None:  # the marker it set last
+        if _FRESH_HEADER is not None:  # _fresh, inlined: the common case, once per draw
+            size, header = _FRESH_HEADER
+            state = generator.get_state()
+            fresh = ctypes.string_at(state.data_ptr() + 8, size - 8) == header
+        else:
+            fresh = _fresh(generator, seed)
+        return _continue(track.stream, keywords) if fresh else _unknown(track, keywords)
     if seed not in _MARKERS:
         if _dead_marker(seed):
-            return Draw(track.stream, Start.UNKNOWN, reason=_GONE)
-        return Draw(track.stream, Start.ANCHOR, state=generator.get_state())
+            return Draw(track.stream, Start.UNKNOWN, reason=_GONE, keywords=keywords)
+        return Draw(track.stream, Start.ANCHOR, state=generator.get_state(), keywords=keywords)
     if not _fresh(generator, seed):
-        return _unknown(track)
-    if seed == track.marker and last_call is not None:
-        return Draw(track.stream, Start.CONTINUE)
-    return _after(track, program, seed)
+        return _unknown(track, keywords)
+    return _after(track, program, seed, keywords)
 
 
-def _after(track: GeneratorTrack, program: Program, seed: int) -> Draw:
+@functools.cache
+def _continue(stream: int, keywords: tuple[str, ...]) -> Draw:
+    """A draw that continues its stream (never changed once recorded: shared)."""
+    return Draw(stream, Start.CONTINUE, keywords=keywords)
+
+
+def _after(track: GeneratorTrack, program: Program, seed: int, keywords: tuple[str, ...]) -> Draw:
     with _LOCK:
         marker = _MARKERS.get(seed)
     source = marker.program() if marker is not None else None
+    stream = track.stream
     if source is not None and marker is not None:
-        return Draw(track.stream, Start.AFTER, after=(source, marker.call, marker.stream))
+        after = (source, marker.call, marker.stream)
+        return Draw(stream, Start.AFTER, after=after, keywords=keywords)
     if marker is not None and marker.state is not None:
-        return Draw(track.stream, Start.ANCHOR, state=marker.state)
-    return Draw(track.stream, Start.UNKNOWN, reason=_GONE)
+        return Draw(stream, Start.ANCHOR, state=marker.state, keywords=keywords)
+    return Draw(stream, Start.UNKNOWN, reason=_GONE, keywords=keywords)
 
 
 _GONE = (
@@ -179,10 +186,11 @@ _GONE = (
 )
 
 
-def _unknown(track: GeneratorTrack) -> Draw:
+def _unknown(track: GeneratorTrack, keywords: tuple[str, ...]) -> Draw:
     return Draw(
         track.stream,
         Start.UNKNOWN,
+        keywords=keywords,
         reason=(
             "its generator was drawn from by code metamode did not record (outside the "
             "replayable context, or with torch functions disabled) after draws the "

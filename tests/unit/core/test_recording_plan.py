@@ -32,22 +32,14 @@ def _program() -> Program:
     state = torch.Generator().manual_seed(0).get_state()
 
     def made(storage: int) -> Call:
-        return Call(torch.empty, ((4,),), {}, (), (), (storage,), _ref(storage), seq=0)
+        return Call(torch.empty, ((4,),), {}, (), (), (storage,), _ref(storage))
 
     def drawn(storage: int, start: Draw) -> Call:
         ref = _ref(storage)
-        return Call(
-            torch.Tensor.normal_,
-            (ref,),
-            {},
-            (storage,),
-            (storage,),
-            (),
-            ref,
-            draws=(start,),
-            target=storage,
-            covers=storage,
-        )
+        call = Call(torch.Tensor.normal_, (ref,), {}, (storage,), (storage,), (), ref)
+        call.draws = (start,)
+        call.target = call.covers = storage
+        return call
 
     program.calls += [
         made(0),
