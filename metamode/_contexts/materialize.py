@@ -308,7 +308,10 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         storage = entry.program.storages[entry.ref.storage]
         if real and not storage.off and entry.program.diverged is None:
             continue  # the build computed exactly eager's value: keep it
-        slot.reason = _changed(slot) or _fixed_place(slot)
+        changed = _changed(slot)
+        if changed is not None and entry.program.diverged is not None:
+            changed = entry.program.diverged  # the cause, when the build left eager's path
+        slot.reason = changed or _fixed_place(slot)
         slot.wanted = slot.reason is None
     for slot in slots:
         if slot.wanted:

@@ -348,7 +348,10 @@ def _classify(func: Any) -> Fact:
         return Fact(name, unstated=True)
     if type(func) is FunctionType:
         return _python_fact(func, name)
-    ops = _aten_overloads(name)
+    if isinstance(func, OpOverload):  # torch.ops.aten.resize_.default: its op's own name
+        ops, name = [func], func._schema.name.removeprefix("aten::")
+    else:
+        ops = _aten_overloads(name)
     return Fact(
         name,
         unversioned=_unversioned_writes(func, name, [op._schema for op in ops]),
@@ -356,7 +359,7 @@ def _classify(func: Any) -> Fact:
         generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
         factory=func in _factories(),
         uninitialised=name in UNINITIALISED_FACTORY_NAMES and bool(ops),
-        grows=name in GROWING_NAMES and _is_tensor_method(func),
+        grows=name in GROWING_NAMES,
         overwrites=name in OVERWRITING_METHOD_NAMES and _is_tensor_method(func),
         changes_geometry=name in _GEOMETRY_CHANGING
         or any(torch.Tag.inplace_view in op.tags for op in ops),

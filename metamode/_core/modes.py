@@ -32,7 +32,7 @@ from metamode._core.facts import is_device_probe
 from metamode._core.params import moved_parameter, moved_tensor
 from metamode._core.recording import Recorder
 from metamode._core.skip_rule import skipped_target
-from metamode._torch import device_constructors, pop_mode, push_mode
+from metamode._torch import DeviceContext, device_constructors, pop_mode, push_mode
 
 __all__ = [
     "ContextMisuseError",
@@ -272,6 +272,12 @@ def _drop_inert_modes() -> None:
         _stack.remove(mode)
 
 
+def _foreign(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is neither metamode's nor torch's device context (whose placement a
+    recording maps to the CPU)."""
+    return not isinstance(mode, ThreadScopedMode | DeviceContext)
+
+
 class EmptyWeights(ThreadScopedMode):
     """Build modules with their parameters (and optionally buffers) on ``device``.
 
@@ -373,6 +379,14 @@ class EmptyWeights(ThreadScopedMode):
         if self.replayable:
             self._recorder = Recorder()
             self._records = True
+            below = next((m for m in _stack.modes_innermost_first() if _foreign(m)), None)
+            if below is not None:
+                self._recorder.diverge(
+                    f"it was built inside {type(below).__qualname__}, a torch function mode "
+                    f"entered before this context, which every torch call of the build went "
+                    f"through and replay cannot repeat; enter it inside the replayable "
+                    f"context (its own torch calls are recorded there), or build without it"
+                )
 
     def _before_exit(self) -> None:
         if self._records and self._recorder is not None:

@@ -130,13 +130,17 @@ class _Run:
         default = torch.get_default_dtype()
         if call.default_dtype is not None and call.default_dtype != default:
             raise ReplayError(f"the default dtype changed to {default} during materialize")
-        grows = call.fills is Fill.ADDED
-        before = args[0].untyped_storage().nbytes() if grows else 0
-        result = call.func(*args, **kwargs)
-        if grows:
-            _fill_grown(args[0], before)
-        elif call.fills is Fill.RESULT:
-            _fill_uninitialised(result)
+        if call.grows:  # what torch fills is what the build's flags said, not this process's
+            before = args[0].untyped_storage().nbytes()
+            kept = _tail(args[0], before).clone()
+            result = call.func(*args, **kwargs)
+            _tail(args[0], before).copy_(kept)
+            if call.fills is Fill.ADDED:
+                _fill_grown(args[0], before)
+        else:
+            result = call.func(*args, **kwargs)
+            if call.fills is Fill.RESULT:
+                _fill_uninitialised(result)
         if not draws_only:
             _bind(call, result, serial, self.env, self.relaid)
         for draw, generator in zip(call.draws, generators, strict=True):
@@ -230,6 +234,14 @@ def _fill_uninitialised(result: Any) -> None:
         result.fill_(True)
     else:
         result.fill_(torch.iinfo(result.dtype).max)
+
+
+def _tail(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The bytes of ``tensor``'s storage, of ``nbytes``, past its last whole element: a
+    resize that grows the storage fills from there under torch's deterministic fill."""
+    start = nbytes // tensor.itemsize * tensor.itemsize
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes - start,), (1,))
 
 
 def _fill_grown(tensor: torch.Tensor, before: int) -> None:

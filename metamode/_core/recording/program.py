@@ -169,6 +169,7 @@ class Call:
     refused: str | None = None
     default_dtype: torch.dtype | None = None  # the result's dtype came from the default
     fills: Fill | None = None  # memory torch filled (deterministic algorithms, fill on)
+    grows: bool = False  # it may grow its first argument's storage (resize_)
     # the process-wide settings it computed from tensor values under (a ProcessSettings)
     settings: Any = None
     state: Any = None  # the thread state it ran under (a ThreadState), None: torch's default

@@ -153,6 +153,9 @@ class Recorder:
         self._off = False  # whether any storage is off (Storage.off) yet
         # storages a write needs more than counting for: outside ones, registered views
         self._special: set[int] = set()
+        self._grown: dict[int, int] = {}  # storage -> its size, once a resize grew it
+        # id -> what holds it, of each tensor registered under an empty twin
+        self._twinned: dict[int, Callable[[], Any]] = {}
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(
@@ -199,7 +202,7 @@ class Recorder:
         """Record, as writes nobody saw, version moves of known tensors since their last use."""
         for tensor, version in zip(tensors, versions, strict=True):
             seen = self._tensors.get(id(tensor))
-            if seen is not None and seen[2] != version and seen[0]() is tensor:
+            if seen is not None and seen[2] != version:
                 self.ref(tensor)
 
     def ref(
@@ -211,12 +214,18 @@ class Recorder:
         nobody saw."""
         key = id(tensor)
         seen = self._tensors.get(key)
-        if seen is not None and (seen[0]() is tensor or _set_away(seen[0], tensor)):
+        if seen is not None and ((held := seen[0]() is tensor) or _set_away(seen[0], tensor)):
             ref = seen[1]
             try:
                 version = tensor._version
             except RuntimeError:  # an inference tensor
                 version = -1
+            if not held:  # Tensor.set_ gave this meta tensor other memory: a new view
+                del self._tensors[key]
+                moved = self.ref(tensor, creating_call)
+                if check and version - seen[2] > 1:
+                    self._unseen_write(moved)
+                return moved
             if version != seen[2] and creating_call is None and check:
                 if not self._in_place(tensor, ref):
                     # Tensor.set_ (which no mode sees) gave it other memory or geometry:
@@ -271,16 +280,28 @@ class Recorder:
             origin = Origin.OUTSIDE
         storage = Storage(origin, "meta" if tensor.is_meta else tensor.device.type, 0)
         storage.call = creating_call
-        storage.pinned = (
-            "it is a lazy module's uninitialised parameter or buffer, which has no value"
-            if isinstance(tensor, UninitializedTensorMixin)
-            else f"it has layout {tensor.layout}: metamode records strided tensors only; "
-            f"register it dense (.to_dense()) or make it after materialize"
-        )
+        lazy = isinstance(tensor, UninitializedTensorMixin)  # it has no shape yet
+        if lazy:
+            storage.pinned = (
+                "it is a lazy module's uninitialised parameter or buffer, which has no value"
+            )
+        else:
+            kind = (
+                "a nested tensor"
+                if tensor.is_nested
+                else "a quantized tensor"
+                if tensor.is_quantized
+                else f"of layout {tensor.layout}"
+            )
+            storage.pinned = (
+                f"it is {kind}: metamode records plain strided tensors only; register it "
+                f"dense (.to_dense(), .dequantize(), .to_padded_tensor()) or make it after "
+                f"materialize"
+            )
         self.program.storages.append(storage)
         self._epochs.append(0)
-        lazy = isinstance(tensor, UninitializedTensorMixin)  # it has no shape yet
-        ref = TensorRef(index, tensor.dtype, () if lazy else tuple(tensor.shape), (), 0)
+        shape = () if lazy or tensor.is_nested else tuple(tensor.shape)
+        ref = TensorRef(index, tensor.dtype, shape, (), 0)
         self._tensors[id(tensor)] = (weakref.ref(tensor), ref, _version(tensor), 0)
         return ref
 
@@ -426,8 +447,7 @@ class Recorder:
         if fact.unversioned is not None:  # writes no version counter shows
             written += fact.unversioned.tensors(args, kwargs)
         if reshapes:
-            for tensor in tensors:
-                self._tensors.pop(id(tensor), None)
+            self._reshaped(tensors, before or [])
         ids = {id(t) for t in tensors}
         made = [t for t in _tensors_in(result) if id(t) not in ids]
         fresh = [t for t in made if not self._known(t)]
@@ -466,13 +486,15 @@ class Recorder:
             call.refused = refused
         if made and not fact.factory:
             call.default_dtype = _default_dtype_use(kwargs, inputs, made)
+        if fact.grows:
+            call.grows = True
         if (fact.uninitialised or fact.grows) and _fills_uninitialised():
             call.fills = Fill.ADDED if fact.grows else Fill.RESULT
         if inputs:
             call.settings = settings.now()
         if fact.overwrites and inputs:
             call.target = inputs[0].storage
-            if _covers(inputs[0], self.program.storages):
+            if _covers(inputs[0], self._nbytes(inputs[0].storage)):
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
         self._append(call, tensors, draws, drew_real)
@@ -487,6 +509,37 @@ class Recorder:
                 if tensor.is_meta and index in creates:
                     self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
+
+    def _reshaped(self, tensors: list[torch.Tensor], before: list[TensorRef]) -> None:
+        """A call may have given ``tensors`` (seen as ``before``) other geometry: each gets a
+        new view when next seen, a storage it grew keeps its new size, and a tensor
+        registered under an empty twin is pinned if its own geometry changed (the module
+        holds the twin, of the old geometry, where eager holds the tensor itself)."""
+        storages = self.program.storages
+        for tensor, old in zip(tensors, before, strict=True):
+            self._tensors.pop(id(tensor), None)
+            if _storageless(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            known = self._storages.get(storage._cdata)
+            if known is not None and known[0] == old.storage:
+                grown = storage.nbytes()
+                if grown > self._nbytes(old.storage):
+                    self._grown[old.storage] = grown
+            twinned = self._twinned.get(id(tensor))
+            if twinned is not None and twinned() is tensor and not self._in_place(tensor, old):
+                info = storages[old.storage]
+                info.pinned = info.pinned or (
+                    "its tensor was reshaped in place (t_, unsqueeze_, resize_, set_, "
+                    ".data =) after it was registered, where the module holds an empty twin "
+                    "of its old shape; reshape the module's own tensor, or register the "
+                    "reshaped one"
+                )
+
+    def _nbytes(self, storage: int) -> int:
+        """Storage ``storage``'s size now (a resize may have grown it since it was made)."""
+        grown = self._grown.get(storage)
+        return self.program.storages[storage].nbytes if grown is None else grown
 
     def _captured(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, str | None]:
         """A call's arguments captured by value, or why they cannot be."""
@@ -595,7 +648,7 @@ class Recorder:
             call.refused = refused
         if fact.overwrites:
             call.target = ref.storage
-            if _covers(ref, self.program.storages):
+            if _covers(ref, self._nbytes(ref.storage)):
                 call.covers = ref.storage
         self._append(call, [target], draws, False)
         return target
@@ -752,10 +805,10 @@ class Recorder:
         if self._memory.active:
             for storage in call.writes:
                 self._memory.written(storage)
-        for storage in call.creates:
-            epochs[storage] += 1
-            if off and storages[storage].device != "meta":
-                storages[storage].off = self._off = True
+        if off:
+            for storage in call.creates:
+                if storages[storage].device != "meta":
+                    storages[storage].off = self._off = True
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))
@@ -856,7 +909,7 @@ class Recorder:
         storage = (ref.storage,)
         call = Call(shortcut.replay, (ref,), captured, storage, storage, (), ref)
         call.target = ref.storage
-        if _covers(ref, self.program.storages):
+        if _covers(ref, self._nbytes(ref.storage)):
             call.covers = ref.storage
         fact = Fact(shortcut.function.__name__, random=shortcut.random, generator=True)
         draws = self._begin_draws(fact, generators, [tensor], {}, keywords) if fact.random else []
@@ -950,6 +1003,7 @@ class Recorder:
                     self._epochs[ref.storage],
                 )
                 named = Named(placed, storage, keep)
+                self._twinned[id(original)] = _hold(original)
             else:
                 # a view into part of a larger tensor: its twin has memory of its own, so
                 # a later write through either, or another registration of the larger
@@ -1196,9 +1250,15 @@ def _fills_uninitialised() -> bool:
 
 
 def _storageless(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` has no strided storage to read (sparse, MKL-DNN...; a lazy
-    module's uninitialised parameter refuses the read)."""
-    return tensor.layout is not torch.strided or isinstance(tensor, UninitializedTensorMixin)
+    """Whether ``tensor`` has no plain strided storage to read (sparse, MKL-DNN...; nested
+    and quantized tensors, whose storage needs more than a view to read; a lazy module's
+    uninitialised parameter refuses the read)."""
+    return (
+        tensor.layout is not torch.strided
+        or tensor.is_nested
+        or tensor.is_quantized
+        or isinstance(tensor, UninitializedTensorMixin)
+    )
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -1216,10 +1276,10 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _covers(ref: TensorRef, storages: list[Storage]) -> bool:
-    """Whether ``ref`` is every byte of its storage, each once."""
+def _covers(ref: TensorRef, nbytes: int) -> bool:
+    """Whether ``ref`` is every byte of its storage (of ``nbytes`` now), each once."""
     size = ref.size
-    if ref.offset or math.prod(size) * ref.dtype.itemsize != storages[ref.storage].nbytes:
+    if ref.offset or math.prod(size) * ref.dtype.itemsize != nbytes:
         return False
     if ref.stride == _contiguous_strides(size):
         return True
