@@ -793,6 +793,8 @@ class Recorder:
                     # eager's generator is elsewhere now: say where, in the generator itself
                     mark(track, program, index)
                     off = off or drew_real
+                else:  # drawn for real from eager's own state: no marker stands for it
+                    track.marker = None
                 self._last_draw[track.stream] = index
             call.draws = (draws[0][1],) if len(draws) == 1 else tuple([d for _, d in draws])
         special = self._special

@@ -179,10 +179,11 @@ def _after(track: GeneratorTrack, program: Program, seed: int, keywords: tuple[s
 
 
 _GONE = (
-    "its generator continues an earlier replayable build that was dropped before "
-    "materialize computed where that build leaves it, so eager construction's state here is "
-    "unknown; materialize (or keep) the earlier build first, or call torch.manual_seed "
-    "before this one"
+    "its generator continues an earlier replayable build that was dropped, and no materialize "
+    "computed where that build leaves the generator (materialize replays only the draws its "
+    "tensors need, so not draws after the last of them, and keeps the last 256 states it "
+    "computed), so eager construction's state here is unknown; keep the earlier build until "
+    "this one is built, or call torch.manual_seed before this one"
 )
 
 
