@@ -39,6 +39,7 @@ __all__ = [
     "fact_of",
     "meta_branch",
     "meta_shortcut",
+    "reads_meta_only_to_warn",
     "is_device_probe",
     "register_device_probe",
     "register_meta_branch",
@@ -588,6 +589,17 @@ def _meta_shortcuts() -> dict[CodeType, MetaShortcut]:
 def meta_shortcut(code: CodeType) -> MetaShortcut | None:
     """The init function that returns early on meta after reading ``is_meta`` in ``code``."""
     return _meta_shortcuts().get(code)
+
+
+# torch functions whose reads of ``.is_meta`` decide only whether to warn, so what they
+# build is eager construction's: ``Module._load_from_state_dict`` warns that copying a real
+# tensor into a meta one does nothing (tests pin the source each row rests on)
+_WARNING_ONLY_META_READS = frozenset([torch.nn.Module._load_from_state_dict.__code__])
+
+
+def reads_meta_only_to_warn(code: CodeType) -> bool:
+    """Whether ``code`` reads ``.is_meta`` only to decide a warning."""
+    return code in _WARNING_ONLY_META_READS
 
 
 # -- libraries' branches on meta-ness -----------------------------------------------------

@@ -34,6 +34,7 @@ from metamode._core.facts import (
     fact_of,
     meta_branch,
     meta_shortcut,
+    reads_meta_only_to_warn,
     rebuilds_without_values,
     stand_in_for,
     stand_in_rule,
@@ -530,8 +531,8 @@ class Recorder:
             if twinned is not None and twinned() is tensor and not self._in_place(tensor, old):
                 info = storages[old.storage]
                 info.pinned = info.pinned or (
-                    "its tensor was reshaped in place (t_, unsqueeze_, resize_, set_, "
-                    ".data =) after it was registered, where the module holds an empty twin "
+                    "its tensor was reshaped in place (t_, unsqueeze_, resize_, .data =) "
+                    "after it was registered, where the module holds an empty twin "
                     "of its old shape; reshape the module's own tensor, or register the "
                     "reshaped one"
                 )
@@ -871,6 +872,8 @@ class Recorder:
         known = meta_branch(frame.f_code) if frame is not None else None
         if known is not None:
             self.diverge(known)
+            return
+        if frame is not None and fact.is_meta and reads_meta_only_to_warn(frame.f_code):
             return
         where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
         if fact.device:

@@ -9,6 +9,8 @@ a new tensor beside it changes nothing.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -237,3 +239,37 @@ class AskedSameOnMetaAndCpu(nn.Module):
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_placement_reads_that_answer_the_same_on_the_cpu_are_exact(include_buffers):
     assert_eager_equal(AskedSameOnMetaAndCpu, include_buffers)
+
+
+_REAL_STATE = {"weight": torch.arange(9.0).reshape(3, 3), "bias": torch.ones(3)}
+
+
+class LoadsAStateDict(nn.Module):
+    """A layer given a real state dict inside the build (``Module._load_from_state_dict``
+    reads each meta parameter's ``.is_meta`` to warn that copying into it does nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.loaded = nn.Linear(3, 3)
+        self.loaded.load_state_dict(_REAL_STATE)
+        self.after = nn.Linear(3, 3)
+
+
+@pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter")
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_state_dict_loaded_inside_the_build_is_exact(include_buffers):
+    assert_eager_equal(LoadsAStateDict, include_buffers)
+
+
+def test_load_from_state_dict_reads_is_meta_only_to_warn():
+    """The read metamode lets pass (``facts.reads_meta_only_to_warn``) decides a warning
+    and nothing else, in the torch this runs on."""
+    source = inspect.getsource(nn.Module._load_from_state_dict)
+    flat = " ".join(source.split())
+    assert flat.count("is_meta") == 2
+    guard = flat.index("param.is_meta and not input_param.is_meta")
+    assert flat[guard:].startswith(
+        "param.is_meta and not input_param.is_meta and not assign_to_params_buffers ): "
+        "warnings.warn("
+    )

@@ -888,11 +888,6 @@ def _state_dict_through_a_file(m: nn.Module) -> None:
     m.fc2.load_state_dict(torch.load(buffer))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="wrong reason: fc2's values come from torch.load of a meta pickle, but the refusal "
-    "names only Module._load_from_state_dict's read of .is_meta (a branch that only warns)",
-)
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_a_state_dict_through_torch_save_is_refused_naming_the_pickle(include_buffers):
     model = build_empty(lambda: Inference(_state_dict_through_a_file), include_buffers)
