@@ -11,8 +11,9 @@ Either way ``is_materializable`` says so first. Public API only.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -287,3 +288,14 @@ def warm_pickling() -> None:
 
     for kind in (torch.Tensor, nn.Parameter, nn.Linear):
         copyreg._slotnames(kind)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` for the block, restored after."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

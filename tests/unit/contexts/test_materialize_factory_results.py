@@ -41,6 +41,7 @@ from tests.unit.contexts.materialize_checks import (
     build_eagerly,
     build_empty,
     check_idiom,
+    default_dtype,
     idiom_cases,
     materialize_exactly,
 )
@@ -49,17 +50,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 # a refusal that blames code run after the block, for a tensor the block itself made so
 _NOT_AFTER = r"(?s)^(?!.*after its empty_weights block)"
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """``torch.set_default_dtype(dtype)`` for the block, restored after."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 @contextmanager

@@ -9,7 +9,6 @@ tensors that depend on it are refused upfront, saying why. Never a silent differ
 from __future__ import annotations
 
 import array
-import contextlib
 import copy
 
 import numpy as np
@@ -23,6 +22,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_same_tensors,
     build_eagerly,
     build_empty,
+    default_dtype,
     materialize_exactly,
 )
 
@@ -138,16 +138,6 @@ def test_memory_shared_with_numpy_is_exact_or_refused(read, include_buffers):
     assert_exact_or_refused(model, ref, "shared")
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 PROMOTIONS = {
     "arange/8": lambda: torch.arange(8) / 8,
     "int_tensor*0.5": lambda: torch.ones(4, dtype=torch.int64) * 0.5,
@@ -171,7 +161,7 @@ class Promoted(nn.Module):
 
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("make", sorted(PROMOTIONS))
-def test_materialize_under_another_default_dtype(make, include_buffers):
+def test_materialize_under_anotherdefault_dtype(make, include_buffers):
     def build() -> nn.Module:
         return Promoted(PROMOTIONS[make])
 
@@ -179,7 +169,7 @@ def test_materialize_under_another_default_dtype(make, include_buffers):
     model = build_empty(build, include_buffers)
     # include_buffers=False: ``promoted`` is a real buffer the build computed exactly; the
     # parameter computed the same way is on meta and needs the replay
-    with _default_dtype(torch.float64):
+    with default_dtype(torch.float64):
         assert_exact_or_refused(
             model, ref, "promoted" if include_buffers else "param", because="dtype"
         )
