@@ -1605,9 +1605,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         mode: broken("crash: the build raises 'Tensor.item() cannot be called on meta tensors'")
         for mode in MODES
     },
-    "torch load_state_dict(other.state_dict())": {
-        mode: Outcome(REFUSED, r"_load_from_state_dict read \.is_meta") for mode in MODES
-    },
     "torch vector_to_parameters": {
         False: broken(
             "crash: `param.data = vec[...]` of a real vector into a meta parameter raises "
@@ -1656,9 +1653,6 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "timm HybridEmbed eval-mode probe": {False: broken(_MIXED_FORWARD)},
     "torch save/load round trip of a layer": {
         mode: Outcome(REFUSED, r"torch\.load \(or pickle\) rebuilt it") for mode in MODES
-    },
-    "torch load_state_dict(..., assign=True) inside": {
-        mode: Outcome(REFUSED, r"_load_from_state_dict read \.is_meta") for mode in MODES
     },
     "numpy qr of a torch draw via .numpy()": {
         False: Outcome(REFUSED, r"numpy read the values"),
