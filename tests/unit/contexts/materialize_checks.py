@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.utils.deterministic
 from torch import nn
 
 import metamode
@@ -299,3 +300,24 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+@contextlib.contextmanager
+def deterministic(
+    algorithms: bool = True, fill: bool = True, warn_only: bool = False
+) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(algorithms, warn_only=...)`` and
+    ``fill_uninitialized_memory = fill`` inside; both as they were after."""
+    flags = torch.utils.deterministic  # type: ignore[attr-defined]
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        flags.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+    flags.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        flags.fill_uninitialized_memory = saved[2]

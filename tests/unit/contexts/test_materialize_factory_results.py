@@ -42,6 +42,7 @@ from tests.unit.contexts.materialize_checks import (
     build_empty,
     check_idiom,
     default_dtype,
+    deterministic,
     idiom_cases,
     materialize_exactly,
 )
@@ -61,17 +62,6 @@ def default_device(device: str) -> Iterator[None]:
         yield
     finally:
         torch.set_default_device(None)
-
-
-@contextmanager
-def deterministic_fill() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True)`` (uninitialised memory is filled)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 # == results whose geometry, dtype or bits are unusual =======================================
@@ -327,7 +317,7 @@ def _deterministic_empty(m: nn.Module) -> None:
     """``torch.empty`` / ``empty_strided`` / ``empty_permuted`` under
     ``use_deterministic_algorithms(True)`` (torch fills them with the dtype's largest
     value), registered unwritten."""
-    with deterministic_fill():
+    with deterministic():
         m.register_buffer("i32", torch.empty(3, dtype=torch.int32))
         m.register_buffer("i16", torch.empty_strided((2, 2), (1, 2), dtype=torch.int16))
         m.register_buffer("i64", torch.empty_permuted((2, 3), (1, 0), dtype=torch.int64))

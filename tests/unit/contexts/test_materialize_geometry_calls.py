@@ -14,8 +14,7 @@ promise is a strict xfail saying what happens. Floating results are compared by 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_exact_or_refused,
     build_eagerly,
     build_empty,
+    deterministic,
     materialize_exactly,
     tensors,
 )
@@ -629,27 +629,6 @@ def test_a_registered_parameter_reshaped_through_its_original(
 
 
 # -- 5. torch's deterministic fill of the memory a resize adds -----------------------------
-
-
-@contextlib.contextmanager
-def deterministic(
-    algorithms: bool = True, fill: bool = True, warn_only: bool = False
-) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(algorithms, warn_only=...)`` and
-    ``fill_uninitialized_memory = fill`` inside; both as they were after."""
-    flags = torch.utils.deterministic  # type: ignore[attr-defined]
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        flags.fill_uninitialized_memory,
-    )
-    torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
-    flags.fill_uninitialized_memory = fill
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        flags.fill_uninitialized_memory = saved[2]
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
