@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from metamode._core.recording.memory import _bytes
 from metamode._core.recording.plan import DrawKey, Key, Plan, Step, Use
 from metamode._core.recording.program import Call, Fill, Origin, Start, TensorRef
 from metamode._core.recording.recorder import GENERATOR
@@ -239,9 +240,7 @@ def _fill_uninitialised(result: Any) -> None:
 def _tail(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The bytes of ``tensor``'s storage, of ``nbytes``, past its last whole element: a
     resize that grows the storage fills from there under torch's deterministic fill."""
-    start = nbytes // tensor.itemsize * tensor.itemsize
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes - start,), (1,))
+    return _bytes(tensor.untyped_storage())[nbytes // tensor.itemsize * tensor.itemsize : nbytes]
 
 
 def _fill_grown(tensor: torch.Tensor, before: int) -> None:

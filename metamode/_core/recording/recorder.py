@@ -672,7 +672,7 @@ class Recorder:
         if kwargs.get("dtype") is None:
             captured_kwargs["dtype"] = result.dtype
         index = len(self.program.calls)
-        if type(result) is torch.Tensor and result.layout is torch.strided:
+        if type(result) is torch.Tensor and not _storageless(result):
             ref = self._created(result, index)
         else:
             ref = self.ref(result, creating_call=index)

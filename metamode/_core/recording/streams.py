@@ -143,13 +143,9 @@ def before_draw(
     generator = track.generator
     seed = generator.initial_seed()
     if seed == track.marker and last_call is not None:  # the marker it set last
-        if _FRESH_HEADER is not None:  # _fresh, inlined: the common case, once per draw
-            size, header = _FRESH_HEADER
-            state = generator.get_state()
-            fresh = ctypes.string_at(state.data_ptr() + 8, size - 8) == header
-        else:
-            fresh = _fresh(generator, seed)
-        return _continue(track.stream, keywords) if fresh else _unknown(track, keywords)
+        if _fresh(generator, seed):
+            return _continue(track.stream, keywords)
+        return _unknown(track, keywords)
     if seed not in _MARKERS:
         if _dead_marker(seed):
             return Draw(track.stream, Start.UNKNOWN, reason=_GONE, keywords=keywords)

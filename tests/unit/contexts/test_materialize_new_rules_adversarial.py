@@ -35,6 +35,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_refused,
     build_eagerly,
     build_empty,
+    deterministic,
     materialize_exactly,
 )
 
@@ -444,19 +445,8 @@ class Filled(nn.Module):
     def __init__(self, make: Callable[[nn.Module], torch.Tensor], warn_only: bool = False):
         super().__init__()
         self.fc = nn.Linear(3, 3)
-        deterministic = torch.utils.deterministic
-        flags = (
-            torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(),
-            deterministic.fill_uninitialized_memory,
-        )
-        torch.use_deterministic_algorithms(True, warn_only=warn_only)
-        deterministic.fill_uninitialized_memory = True
-        try:
+        with deterministic(warn_only=warn_only):
             made = make(self)
-        finally:
-            torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-            deterministic.fill_uninitialized_memory = flags[2]
         self.register_buffer("made", made)
 
 
