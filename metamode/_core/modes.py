@@ -32,7 +32,13 @@ from metamode._core.facts import is_device_probe
 from metamode._core.params import moved_parameter, moved_tensor
 from metamode._core.recording import Recorder
 from metamode._core.skip_rule import skipped_target
-from metamode._torch import DeviceContext, device_constructors, pop_mode, push_mode
+from metamode._torch import (
+    DeviceContext,
+    DisableTorchFunction,
+    device_constructors,
+    pop_mode,
+    push_mode,
+)
 
 __all__ = [
     "ContextMisuseError",
@@ -541,7 +547,8 @@ def _already_on(tensor: torch.Tensor, device: torch.device) -> bool:
     # Tensors on cpu and meta carry no index, whatever index the context was
     # given ("meta:0", "cpu:0"); comparing it would move -- and so untie -- a
     # parameter the context had already placed.
-    here = tensor.device
+    with DisableTorchFunction():  # metamode's own read, not one of the build's
+        here = tensor.device
     return here.type == device.type and (
         device.index is None or here.index is None or here.index == device.index
     )

@@ -40,7 +40,7 @@ from metamode._core.facts import (
     stand_in_rule,
 )
 from metamode._core.recording import registry, settings, thread_state
-from metamode._core.recording.branches import compared_otherwise
+from metamode._core.recording.branches import diverging_use
 from metamode._core.recording.held import Held, Named
 from metamode._core.recording.memory import ExternalMemory, Kept, refill
 from metamode._core.recording.program import (
@@ -877,13 +877,13 @@ class Recorder:
             return
         where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
         if fact.device:
-            # most often read to place a new tensor beside this one; compared so that the
-            # comparison tells the CPU from other devices, a branch (one telling meta from
-            # the others is left to the library's registered branches, as before)
-            if frame is not None and compared_otherwise(frame, value):
+            # most often read to place a new tensor beside this one
+            use = diverging_use(frame, value) if frame is not None else None
+            if use is not None:
                 self.diverge(
-                    f"{where} compared .device of a {_describe(tensor)} tensor, which eager "
-                    f"construction has on the CPU, so it may have taken another branch"
+                    f"{where} read .device of a {_describe(tensor)} tensor, which eager "
+                    f"construction has on the CPU, and {use}, so it may have taken another "
+                    f"branch"
                 )
             return
         shortcut = meta_shortcut(frame.f_code) if frame is not None and fact.is_meta else None
@@ -1349,6 +1349,8 @@ def _is_ours(frame: FrameType) -> bool:
 
 
 def _describe(tensor: torch.Tensor) -> str:
+    if isinstance(tensor, UninitializedTensorMixin):
+        return "lazy module's uninitialised"
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 

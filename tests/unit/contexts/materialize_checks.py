@@ -267,6 +267,18 @@ def idiom_cases(
     return cases
 
 
+def mode_cases(table: dict[str, object], broken: dict[str, str]) -> list:
+    """``(name, include_buffers)`` for each entry of ``table`` in both modes; one named in
+    ``broken`` runs as a strict xfail (an ``AssertionError``) saying what happens."""
+    cases = []
+    for name in sorted(table):
+        marks = []
+        if name in broken:
+            marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=broken[name])]
+        cases.extend(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}") for mode in MODES)
+    return cases
+
+
 def check_idiom(init: Callable[[nn.Module], None], include_buffers: bool, outcome: Outcome) -> None:
     """Built eagerly and in a replayable context under one seed, ``Built(init)`` is what
     ``outcome`` allows: exact, refused upfront for its reason, or either."""

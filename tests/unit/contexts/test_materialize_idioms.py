@@ -1634,7 +1634,8 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
         for mode in MODES
     },
     "torch branch on device.type == 'cpu'": {
-        mode: Outcome(REFUSED, r"_torch_branch_on_device_type compared \.device") for mode in MODES
+        mode: Outcome(REFUSED, r"_torch_branch_on_device_type read \.device.*compared")
+        for mode in MODES
     },
     "torch branch on is_cpu": {
         mode: Outcome(REFUSED, r"_torch_branch_on_is_cpu read \.is_cpu") for mode in MODES

@@ -199,14 +199,14 @@ class CpuOnlyInit(nn.Module):
 _CPU = torch.device("cpu")
 CPU_CHECKS = {
     "is_cpu": (lambda t: t.is_cpu, r"read \.is_cpu"),
-    "device.type == 'cpu'": (lambda t: t.device.type == "cpu", r"compared \.device"),
+    "device.type == 'cpu'": (lambda t: t.device.type == "cpu", r"\.device.*compared"),
     "device.type in ('cpu', 'mps')": (lambda t: t.device.type in ("cpu", "mps"), "compared"),
-    "'cpu' == device.type": (lambda t: "cpu" == t.device.type, r"compared \.device"),  # noqa: SIM300
+    "'cpu' == device.type": (lambda t: "cpu" == t.device.type, r"\.device.*compared"),  # noqa: SIM300
     "device == torch.device('cpu')": (lambda t: t.device == torch.device("cpu"), "compared"),
-    "device == a local cpu device": (lambda t: t.device == _CPU, r"compared \.device"),
+    "device == a local cpu device": (lambda t: t.device == _CPU, r"\.device.*compared"),
     "device.type != 'cuda' and != 'meta'": (
         lambda t: t.device.type not in ("cuda", "meta", "mps"),
-        r"compared \.device",
+        r"\.device.*compared",
     ),
 }
 

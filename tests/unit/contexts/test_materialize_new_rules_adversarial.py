@@ -346,6 +346,20 @@ CPU_BRANCHES_REFUSED = {
         lambda kind: _double(m) if m.fc.weight.device.type == kind else None
     )("cpu"),
     "match statement": _match,
+    # followed through locals, helpers, conversions and containers
+    "device stored in a local, compared later": _stored_then_compared,
+    "walrus, then compared": _walrus,
+    "str(device) == 'cpu'": lambda m: _double(m) if str(m.fc.weight.device) == "cpu" else None,
+    "f-string of the device compared": lambda m: (
+        _double(m) if f"{m.fc.weight.device}" == "cpu" else None
+    ),
+    "a helper comparing a device passed in": lambda m: (
+        _double(m) if _type_is_cpu(m.fc.weight.device) else None
+    ),
+    "device in [cpu]": lambda m: _double(m) if m.fc.weight.device in [_CPU] else None,
+    "device.type.startswith('cpu')": lambda m: (
+        _double(m) if m.fc.weight.device.type.startswith("cpu") else None
+    ),
 }
 
 
@@ -356,43 +370,32 @@ def test_a_branch_on_the_cpu_is_refused(branch, include_buffers):
     assert_refused(model, "fc.weight", because=r"\.device|\.is_cpu")
 
 
-# forms it misses: eager doubles fc.weight, the meta build does not, materialize accepts
+# forms it misses: the device goes into a comprehension or is looked up by a dict's method,
+# which the follow does not enter
 CPU_BRANCHES_MISSED = {
-    "device stored in a local, compared later": _stored_then_compared,
-    "walrus, then compared": _walrus,
-    "str(device) == 'cpu'": lambda m: _double(m) if str(m.fc.weight.device) == "cpu" else None,
-    "f-string of the device compared": lambda m: (
-        _double(m) if f"{m.fc.weight.device}" == "cpu" else None
-    ),
-    "a helper comparing a device passed in": lambda m: (
-        _double(m) if _type_is_cpu(m.fc.weight.device) else None
-    ),
     "'cpu' in a list comprehension of types": lambda m: (
         _double(m) if "cpu" in [p.device.type for p in m.parameters()] else None
     ),
     "set of devices == {cpu}": lambda m: (
         _double(m) if {p.device for p in m.parameters()} == {_CPU} else None
     ),
-    "device in [cpu]": lambda m: _double(m) if m.fc.weight.device in [_CPU] else None,
-    "device.type.startswith('cpu')": lambda m: (
-        _double(m) if m.fc.weight.device.type.startswith("cpu") else None
-    ),
     "a dict keyed by device": lambda m: (
         _double(m) if {_CPU: True}.get(m.fc.weight.device, False) else None
     ),
-    "device.type != 'meta' (documented: left to registered branches)": _if_not_meta,
+    "device.type != 'meta' (a library's meta check, left to registered branches)": _if_not_meta,
 }
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="silently wrong: the comparison is not followed in the bytecode (stored, "
-    "converted to str, passed to a helper or a container, or compared with 'meta'), so the "
-    "build is accepted and fc.weight lacks eager's doubling",
+    reason="silently wrong: the device is collected by a comprehension or looked up by a "
+    "dict's method, which the follow does not enter, or compared so that it tells meta from "
+    "both the CPU and other devices (a library's meta check, left to the branches "
+    "integrations register); the build is accepted and fc.weight lacks eager's doubling",
 )
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("branch", sorted(CPU_BRANCHES_MISSED))
-def test_a_branch_on_the_cpu_the_bytecode_walk_misses(branch, include_buffers):
+def test_a_branch_on_the_cpu_the_follow_misses(branch, include_buffers):
     build = lambda: Probe(CPU_BRANCHES_MISSED[branch])  # noqa: E731
     ref = build_eagerly(build)
     assert_exact_or_refused(build_empty(build, include_buffers), ref, "fc.weight")
