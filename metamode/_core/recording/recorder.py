@@ -141,6 +141,10 @@ class Recorder:
         # id(tensor) -> (a weak reference, or a Held meta tensor, its TensorRef, its version,
         # storage epoch then)
         self._tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]] = {}
+        # (storage, version) of each entry _tensors no longer has: a tensor gone, whose id a
+        # later one took, or one seen anew; another tensor may share its version counter
+        # (nn.Parameter(t) shares t's)
+        self._retired: list[tuple[int, int]] = []
         self._epochs: list[int] = []  # per storage: recorded writes so far
         self._generators: dict[int, GeneratorTrack] = {}
         self._last_draw: dict[int, int] = {}  # stream -> index of its last draw
@@ -222,7 +226,7 @@ class Recorder:
             except RuntimeError:  # an inference tensor
                 version = -1
             if not held:  # Tensor.set_ gave this meta tensor other memory: a new view
-                del self._tensors[key]
+                self._retire(key)
                 moved = self.ref(tensor, creating_call)
                 if check and version - seen[2] > 1:
                     self._unseen_write(moved)
@@ -231,7 +235,7 @@ class Recorder:
                 if not self._in_place(tensor, ref):
                     # Tensor.set_ (which no mode sees) gave it other memory or geometry:
                     # a new view, written only if more than set_'s own version bump
-                    del self._tensors[key]
+                    self._retire(key)
                     moved = self.ref(tensor)
                     if version - seen[2] > 1:
                         self._unseen_write(moved)
@@ -269,6 +273,8 @@ class Recorder:
             version = tensor._version
         except RuntimeError:
             version = -1
+        if seen is not None:  # a tensor gone, whose id this one took
+            self._retired.append((seen[1].storage, seen[2]))
         self._tensors[key] = (_hold(tensor, storage), ref, version, self._epochs[index])
         return ref
 
@@ -303,6 +309,7 @@ class Recorder:
         self._epochs.append(0)
         shape = () if lazy or tensor.is_nested else tuple(tensor.shape)
         ref = TensorRef(index, tensor.dtype, shape, (), 0)
+        self._retire(id(tensor))
         self._tensors[id(tensor)] = (weakref.ref(tensor), ref, _version(tensor), 0)
         return ref
 
@@ -519,6 +526,7 @@ class Recorder:
         storages = self.program.storages
         for tensor, old in zip(tensors, before, strict=True):
             self._tensors.pop(id(tensor), None)
+            self._retired.append((old.storage, _version(tensor)))  # as the call left it
             if _storageless(tensor):
                 continue
             storage = tensor.untyped_storage()
@@ -536,6 +544,12 @@ class Recorder:
                     "of its old shape; reshape the module's own tensor, or register the "
                     "reshaped one"
                 )
+
+    def _retire(self, key: int) -> None:
+        """Forget the tensor ``key`` names, keeping the version it was seen with."""
+        seen = self._tensors.pop(key, None)
+        if seen is not None:
+            self._retired.append((seen[1].storage, seen[2]))
 
     def _nbytes(self, storage: int) -> int:
         """Storage ``storage``'s size now (a resize may have grown it since it was made)."""
@@ -702,7 +716,11 @@ class Recorder:
             version = tensor._version
         except RuntimeError:
             version = -1
-        self._tensors[id(tensor)] = (_hold(tensor, storage), ref, version, 0)
+        key = id(tensor)
+        gone = self._tensors.get(key)
+        if gone is not None:
+            self._retired.append((gone[1].storage, gone[2]))
+        self._tensors[key] = (_hold(tensor, storage), ref, version, 0)
         return ref
 
     def _stand_in(self, func: Any, original: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
@@ -1001,6 +1019,7 @@ class Recorder:
                 storage = placed.untyped_storage()
                 keep = StorageWeakRef(storage)
                 self._storages[storage._cdata] = (ref.storage, keep)
+                self._retire(id(placed))
                 self._tensors[id(placed)] = (
                     _hold(placed, storage),
                     ref,
@@ -1073,8 +1092,9 @@ class Recorder:
         for tensor, entry in self._registered:
             entry.ref = self.ref(tensor)
             entry.version = _version(tensor)
-        versions = _real_versions(self._real, self._tensors)
+        versions = _real_versions(self._real, self._tensors, self._retired)
         self._tensors = {}  # what it held: the storages only they kept alive go now
+        self._retired = []
         self._registered = []
         program.live = {
             address: (index, keep)
@@ -1144,14 +1164,16 @@ def _set_to_itself(tensor: torch.Tensor) -> bool:
 
 
 def _real_versions(
-    real: set[int], tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]]
+    real: set[int],
+    tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]],
+    retired: list[tuple[int, int]],
 ) -> dict[int, set[int]]:
     """Storage index -> the version counters seen on the recording's tensors of each of
-    the ``real`` storages (those a recorded call created off meta)."""
+    the ``real`` storages (those a recorded call created off meta), those gone included."""
     versions: dict[int, set[int]] = {}
-    seen = [(entry[1].storage, entry[2]) for entry in tensors.values() if entry[1].storage in real]
-    for storage, version in seen:
-        versions.setdefault(storage, set()).add(version)
+    for storage, version in [*((e[1].storage, e[2]) for e in tensors.values()), *retired]:
+        if storage in real:
+            versions.setdefault(storage, set()).add(version)
     return versions
 
 

@@ -21,6 +21,7 @@ import torch.utils.deterministic
 from torch import nn
 
 import metamode
+from metamode._contexts.materialize import unreproducible
 
 MODES = [False, True]
 
@@ -110,7 +111,9 @@ def materialize_exactly(
     """``is_materializable`` says yes, ``materialize`` keeps every parameter object (but those
     in ``replaced``: an autograd graph or a view holds them) and the default generator, and
     (given ``ref``) every tensor equals ``ref``'s (strides too, unless ``strides=False``)."""
-    assert metamode.is_materializable(model), "is_materializable refuses an exact build"
+    assert metamode.is_materializable(model), (
+        f"is_materializable refuses an exact build: {unreproducible(model)}"
+    )
     for name, tensor in tensors(model).items():
         if tensor.is_meta:
             assert metamode.is_materializable(tensor), f"is_materializable({name}) says no"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import metamode
+from metamode._torch import DisableTorchFunction
 from tests.unit.contexts.materialize_checks import (
     MODES,
     assert_refused,
@@ -134,3 +135,41 @@ def test_summary_of_a_lazy_build_counts_no_elements_for_uninitialised_tensors(in
     model = build_empty(LAZY["LazyLinear"], include_buffers)
     report = metamode.summary(model)
     assert "1.weight" in report.materializable
+
+
+class _Ranked(nn.Module):
+    """PEFT AdaLoRA's rank holder: a parameter over a temporary draw, filled through
+    ``.data`` (a tensor with a version counter of its own) in a skipped stretch; with
+    ``reuse``, the temporary's id goes to a later tensor the build reads, as it may
+    whenever Python gives a freed object's memory to the next one."""
+
+    def __init__(self, suspend, reuse: bool) -> None:
+        super().__init__()
+        self.lora = nn.Linear(4, 4)
+        self.rank = nn.ParameterDict()
+        with suspend():
+            draw = torch.randn(1)
+            draws_id = id(draw)
+            self.rank["default"] = nn.Parameter(draw, requires_grad=False)
+            self.rank["default"].data.fill_(4.0)
+            del draw
+            if reuse:
+                unseen = []  # made where no mode sees them, so nothing else takes the id
+                with DisableTorchFunction():
+                    while not unseen or id(unseen[-1]) != draws_id:
+                        assert len(unseen) < 1000, "no later tensor took the freed id"
+                        unseen.append(torch.zeros(1))
+                self.later = torch.neg(unseen[-1])
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("reuse", [False, True], ids=["", "id reused"])
+def test_a_skipped_parameter_filled_through_data_is_the_builds_whatever_ids_python_reuses(
+    include_buffers, reuse
+):
+    ref = build_eagerly(lambda: _Ranked(_nothing, reuse))
+    torch.manual_seed(0)
+    with metamode.empty_weights(include_buffers=include_buffers, replayable=True):
+        model = _Ranked(metamode.skip_empty_weights, reuse)
+    assert not model.rank["default"].is_meta
+    materialize_exactly(model, ref)
