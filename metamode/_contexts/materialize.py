@@ -195,13 +195,12 @@ def _unregistered(tensor: torch.Tensor, program: Program, address: int) -> Entry
     known = program.live.get(address)
     if known is None or known[1].expired():
         return None
-    version = _version(tensor)
+    versions = None
     if not tensor.is_meta:
         made = program.made.get(address)
         if made is None:
             return None
-        if made[1] and version not in made[1]:
-            version = min(made[1])  # written after the block: _changed says so
+        versions = made[1] or None
     ref = TensorRef(
         known[0],
         tensor.dtype,
@@ -211,7 +210,7 @@ def _unregistered(tensor: torch.Tensor, program: Program, address: int) -> Entry
         tensor.is_conj(),
         tensor.is_neg(),
     )
-    return Entry(program, ref, version)
+    return Entry(program, ref, _version(tensor), versions=versions)
 
 
 def _lazy(tensor: torch.Tensor) -> bool:
@@ -241,6 +240,15 @@ def _changed(slot: _Slot) -> str | None:
         or (tensor.is_conj(), tensor.is_neg()) != (ref.conj, ref.neg)
     ):
         return "its storage or layout was changed after its empty_weights block"
+    if entry.versions is not None and entry.version not in entry.versions:
+        return (
+            f"its version counter ({entry.version}) is none of those the build's tensors of "
+            f"its memory had ({', '.join(map(str, sorted(entry.versions)))}): it was "
+            f"written after its empty_weights block, or it was made after the block over "
+            f"the build's memory with a counter of its own (.data, set_), whose writes "
+            f"cannot be told from none; write it inside the block, or take it after "
+            f"materialize"
+        )
     if _version(tensor) != entry.version:
         return (
             "it was written after its empty_weights block (its version counter moved), "

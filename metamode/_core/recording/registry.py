@@ -26,6 +26,9 @@ class Entry:
     ref: TensorRef | None = None
     version: int = -1
     refused: str | None = None  # why its registration cannot be reproduced, if so
+    # a real tensor never registered, found by its storage: the version counters the
+    # build's tensors of that storage had (which of them it shares, torch does not say)
+    versions: frozenset[int] | None = None
 
 
 # id(tensor) -> (what names it, entry). A strided tensor is named without a weak

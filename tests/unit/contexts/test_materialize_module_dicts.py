@@ -116,6 +116,22 @@ def test_an_unregistered_tensor_written_after_the_block_is_refused():
     assert_refused(model, "noise", because="written after")
 
 
+class DrawnInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        noise = torch.empty(2, 3)
+        noise.normal_()
+        self._buffers["noise"] = noise
+
+
+def test_a_data_alias_put_in_after_the_block_is_refused_naming_its_own_counter():
+    # a counter at 0 where the build's reached 1: unwritten, or written through another
+    model = build_empty(DrawnInPlace)
+    model._buffers["noise"] = model.noise.data
+    assert_refused(model, "noise", because=r"\(0\) is none of those .* \(1\).* \(\.data, set_\)")
+
+
 def test_a_submodule_with_an_unregistered_tensor_alone():
     ref = build_eagerly(IntoBuffers)
     model = build_empty(IntoBuffers)

@@ -154,10 +154,9 @@ _STALE = (
     "tensor at another address is exact"
 )
 _DATA = (
-    "wrong reason: a .data alias has a version counter of its own, at 0; the recording "
-    "kept only the last version seen on each tensor of the real storage (1, after "
-    "normal_), so a and b are refused as 'written after its empty_weights block', "
-    "nothing having been written"
+    "over-refusal: a .data alias has a version counter of its own, at 0, where the build's "
+    "tensors of the storage reached 1 (after normal_); nothing says whether something wrote "
+    "the memory through another counter, so a and b are refused, the reason naming both"
 )
 # (how, include_buffers, reuse) -> what happens instead of exact
 REREGISTER_BROKEN = {
