@@ -12,8 +12,10 @@ Either way ``is_materializable`` says so first. Public API only.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,6 +297,18 @@ def check_idiom(init: Callable[[nn.Module], None], include_buffers: bool, outcom
         materialize_exactly(model, ref)
     else:
         assert_refused(model, because=outcome.because)
+
+
+def load_probe(path: Path, **names: object) -> Callable[[nn.Module], object]:
+    """The ``probe`` function of the source file at ``path`` (written by the test, so that
+    it has a file the interpreter and ``linecache`` read), run with ``names`` in its
+    module's globals."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    vars(module).update(names)
+    spec.loader.exec_module(module)
+    return module.probe
 
 
 def warm_pickling() -> None:

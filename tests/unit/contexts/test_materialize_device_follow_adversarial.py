@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import linecache
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +41,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_exact_or_refused,
     build_eagerly,
     build_empty,
+    load_probe,
     mode_cases,
 )
 
@@ -531,15 +531,6 @@ def probe(m):
 """
 
 
-def _load(path: Path) -> Callable[[nn.Module], object]:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    module.double = _double  # type: ignore[attr-defined]
-    spec.loader.exec_module(module)
-    return module.probe
-
-
 def _from_exec() -> Callable[[nn.Module], object]:
     namespace = {"double": _double}
     exec(compile(_BRANCHING_SOURCE, "<generated>", "exec"), namespace)
@@ -548,7 +539,7 @@ def _from_exec() -> Callable[[nn.Module], object]:
 
 def _deleted(path: Path) -> Callable[[nn.Module], object]:
     path.write_text(_BRANCHING_SOURCE)
-    probe = _load(path)
+    probe = load_probe(path, double=_double)
     path.unlink()
     linecache.checkcache(str(path))
     return probe
@@ -556,7 +547,7 @@ def _deleted(path: Path) -> Callable[[nn.Module], object]:
 
 def _edited(path: Path) -> Callable[[nn.Module], object]:
     path.write_text(_BRANCHING_SOURCE)
-    probe = _load(path)
+    probe = load_probe(path, double=_double)
     path.write_text(_EDITED_SOURCE)
     linecache.checkcache(str(path))
     return probe
@@ -572,7 +563,7 @@ def _long(path: Path) -> Callable[[nn.Module], object]:
         "            double(m)",
     ]
     path.write_text("\n".join(lines) + "\n")
-    return _load(path)
+    return load_probe(path, double=_double)
 
 
 SOURCELESS: dict[str, Callable[[Path], Callable[[nn.Module], object]]] = {

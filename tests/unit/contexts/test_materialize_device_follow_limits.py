@@ -30,7 +30,6 @@ reading instruction to the source position each Python version compiles its own 
 from __future__ import annotations
 
 import collections
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from tests.unit.contexts.materialize_checks import (
     assert_exact_or_refused,
     build_eagerly,
     build_empty,
+    load_probe,
     mode_cases,
 )
 
@@ -914,21 +914,13 @@ def _match_known(m: nn.Module) -> None:
             m.register_buffer("z", torch.zeros(3, device=m.fc.weight.device))
 
 
-def _load(path: Path) -> Callable[[nn.Module], object]:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.probe
-
-
 def _renamed(path: Path, times: int) -> Callable[[nn.Module], object]:
     """The device renamed ``times`` times, then placing a buffer."""
     lines = ["import torch", "", "def probe(m):", "    d0 = m.fc.weight.device"]
     lines += [f"    d{i + 1} = d{i}" for i in range(times)]
     lines += [f"    m.register_buffer('z', torch.zeros(3, device=d{times}))"]
     path.write_text("\n".join(lines) + "\n")
-    return _load(path)
+    return load_probe(path)
 
 
 def _fanned_out(path: Path, uses: int) -> Callable[[nn.Module], object]:
@@ -936,7 +928,7 @@ def _fanned_out(path: Path, uses: int) -> Callable[[nn.Module], object]:
     lines = ["import torch", "", "def probe(m):", "    device = m.fc.weight.device"]
     lines += [f"    t{i} = torch.zeros(1, device=device)" for i in range(uses)]
     path.write_text("\n".join(lines) + "\n")
-    return _load(path)
+    return load_probe(path)
 
 
 PLACING: dict[str, Callable[[nn.Module], object] | Callable[[Path], object]] = {
