@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -439,7 +440,31 @@ def materialize(
             "materialize(device='meta') would compute every value and throw it away; "
             "pass a real device (the default is cpu)"
         )
-    slots, plan = _survey(module)
+    first = _slots(module)
+    _find_entries(first)
+    locked = _programs(first)
+    while True:
+        with contextlib.ExitStack() as held:
+            for _, program in sorted(locked.items()):  # one order: no deadlock
+                held.enter_context(program.installing)
+            slots, plan = _survey(module)
+            programs = _programs(slots)
+            if programs.keys() <= locked.keys():
+                return _materialize(module, device, on_unreproducible, slots, plan)
+            locked.update(programs)
+
+
+def _programs(slots: list[_Slot]) -> dict[int, Program]:
+    return {s.entry.program.serial: s.entry.program for s in slots if s.entry is not None}
+
+
+def _materialize(
+    module: nn.Module,
+    device: torch.device,
+    on_unreproducible: str,
+    slots: list[_Slot],
+    plan: recording.Plan | None,
+) -> nn.Module:
     refused = [slot for slot in slots if slot.reason is not None]
     if refused and on_unreproducible == "error":
         raise NotMaterializableError(_refusal_message(module, refused))
@@ -471,6 +496,13 @@ def materialize(
                     ),
                 )
             install.finish()
+    except recording.ProcessChanged as error:
+        install.undo()
+        raise NotMaterializableError(
+            f"metamode.materialize({type(module).__name__}) in thread "
+            f"{threading.current_thread().name!r}: {error}; nothing was changed. Fix: keep "
+            f"the setting as the build had it until materialize returns"
+        ) from None
     except BaseException:
         install.undo()
         raise

@@ -18,7 +18,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import CodeType, FunctionType
+from types import CodeType, FrameType, FunctionType
 from typing import Any
 
 import torch
@@ -606,30 +606,40 @@ def reads_meta_only_to_warn(code: CodeType) -> bool:
 
 # Where a library's code asks whether a tensor is on meta (``.is_meta`` or ``.device``) and
 # then builds something else than eager construction does. Registered by
-# metamode.integrations: (code objects, found lazily, why it diverges).
-_META_BRANCHES: list[tuple[Callable[[], list[CodeType]], str]] = []
+# metamode.integrations: (code objects, found lazily, why it diverges, where it does).
+_Where = Callable[[FrameType], bool] | None
+_META_BRANCHES: list[tuple[Callable[[], list[CodeType]], str, _Where]] = []
 
 
-def register_meta_branch(codes: Callable[[], list[CodeType]], why: str) -> None:
+def register_meta_branch(
+    codes: Callable[[], list[CodeType]],
+    why: str,
+    when: _Where = None,
+) -> None:
     """Say that the functions whose code ``codes()`` returns branch on a tensor being on
-    meta, away from eager construction (``why`` says what they do)."""
-    if all(registered is not codes for registered, _ in _META_BRANCHES):
-        _META_BRANCHES.append((codes, why))
+    meta, away from eager construction (``why`` says what they do); with ``when``, only
+    where ``when(frame)`` says so of the frame that read it (the rest builds as eager)."""
+    if all(registered is not codes for registered, _, _ in _META_BRANCHES):
+        _META_BRANCHES.append((codes, why, when))
         _KNOWN_FOR[0] = -1
 
 
-_KNOWN_BRANCHES: dict[CodeType, str] = {}
+_KNOWN_BRANCHES: dict[CodeType, tuple[str, _Where]] = {}
 _KNOWN_FOR = [-1]  # the size of sys.modules when _KNOWN_BRANCHES was gathered
 
 
-def meta_branch(code: CodeType) -> str | None:
-    """Why the library code ``code`` builds otherwise on meta, if it is known to."""
+def meta_branch(frame: FrameType) -> str | None:
+    """Why the library code ``frame`` runs, which read where a tensor is, builds otherwise
+    on meta, if it is known to."""
     if _KNOWN_FOR[0] != len(sys.modules):  # a library was imported since: ask again
         _KNOWN_BRANCHES.clear()
-        for codes, why in _META_BRANCHES:
-            _KNOWN_BRANCHES.update(dict.fromkeys(codes(), why))
+        for codes, why, when in _META_BRANCHES:
+            _KNOWN_BRANCHES.update(dict.fromkeys(codes(), (why, when)))
         _KNOWN_FOR[0] = len(sys.modules)
-    return _KNOWN_BRANCHES.get(code)
+    known = _KNOWN_BRANCHES.get(frame.f_code)
+    if known is None or (known[1] is not None and not known[1](frame)):
+        return None
+    return known[0]
 
 
 # -- libraries' device probes -------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -231,26 +231,79 @@ def peft_enabled() -> bool:
 register(Integration("peft", enable_for_peft, disable_for_peft, peft_enabled))
 
 
+def _codes(*sites: tuple[str, str]) -> list[CodeType]:
+    """The code of each ``(module, Class.function)`` of PEFT's that is imported."""
+    found = []
+    for module_name, qualname in sites:
+        module = sys.modules.get(module_name)
+        owner, _, name = qualname.partition(".")
+        function = getattr(getattr(module, owner, None), name, None)
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            found.append(code)
+    return found
+
+
 def _branching_on_meta() -> list[CodeType]:
     """PEFT functions that build an adapter otherwise when its tensors are on meta."""
-    found = []
-    for module_name, qualnames in (
-        ("peft.tuners.lora.layer", ("LoraLayer.mica_init", "Embedding.mica_init")),
-        ("peft.tuners.lora.variants", ("MontecloraLinearVariant.init",)),
-    ):
-        module = sys.modules.get(module_name)
-        for qualname in qualnames if module is not None else ():
-            owner, _, name = qualname.partition(".")
-            function = getattr(getattr(module, owner, None), name, None)
-            code = getattr(function, "__code__", None)
-            if code is not None:
-                found.append(code)
-    return found
+    return _codes(
+        ("peft.tuners.lora.layer", "LoraLayer.mica_init"),
+        ("peft.tuners.lora.layer", "Embedding.mica_init"),
+        ("peft.tuners.lora.variants", "MontecloraLinearVariant.init"),
+        ("peft.tuners.lora.variants", "KasaLinearVariant.init"),
+        ("peft.tuners.delora.layer", "DeloraLayer.reset_delora_parameters"),
+    )
 
 
 register_meta_branch(
     _branching_on_meta,
     "PEFT initialises this adapter otherwise when its tensors are on the meta device "
-    "(MiCA skips its SVD init, MonteCLoRA defers its sampler): create it with "
-    "low_cpu_mem_usage=False",
+    "(MiCA and KaSA skip their SVD, MonteCLoRA defers its sampler, DeLoRA takes ones for "
+    "the base weight's norms): create it with low_cpu_mem_usage=False",
+)
+
+
+def _moving_to_the_base_layer() -> list[CodeType]:
+    """The ``any(p.device == meta ...)`` of PEFT's ``_move_adapter_to_device_of_base_layer``,
+    which leaves an adapter on meta where it is, uncast to the base layer's dtype."""
+    return [
+        const
+        for code in _codes(
+            ("peft.tuners.tuners_utils", "BaseTunerLayer._move_adapter_to_device_of_base_layer"),
+            ("peft.tuners.lora.layer", "ParamWrapper._move_adapter_to_device_of_base_layer"),
+        )
+        for const in code.co_consts
+        if isinstance(const, CodeType) and const.co_name == "<genexpr>"
+    ]
+
+
+def _cast_skipped(frame: FrameType) -> bool:
+    """Whether the adapter the move skips on meta is in another floating dtype than eager's
+    move would cast it to (the base layer's)."""
+    outer = frame.f_back
+    names = outer.f_locals if outer is not None else {}
+    if "target_dtype" in names:  # BaseTunerLayer's
+        dtype = names["target_dtype"]
+    else:  # ParamWrapper's: the wrapped parameter's
+        param = names.get("param")
+        dtype = getattr(param, "dtype", None)
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            dtype = None
+    layer, adapter = names.get("adapter_layer"), names.get("adapter_name")
+    if dtype is None or layer is None or adapter not in layer:
+        return False
+    item = layer[adapter]
+    tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+    return any(
+        (t.dtype.is_floating_point or t.dtype.is_complex) and t.dtype != dtype for t in tensors
+    )
+
+
+register_meta_branch(
+    _moving_to_the_base_layer,
+    "PEFT leaves an adapter on the meta device in the dtype it was made in, where eager "
+    "construction casts it to the base layer's dtype (its values rounded to it): create it "
+    "with low_cpu_mem_usage=False, or build the base layer in the adapter's dtype and cast "
+    "the model after materialize",
+    _cast_skipped,
 )

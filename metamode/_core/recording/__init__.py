@@ -7,7 +7,7 @@ needs and what is refused, and :mod:`.execute` runs them. Nothing outside this p
 reads a program.
 """
 
-from metamode._core.recording.execute import ReplayError, execute, with_bits
+from metamode._core.recording.execute import ProcessChanged, ReplayError, execute, with_bits
 from metamode._core.recording.plan import Key, Plan, plan
 from metamode._core.recording.program import Program, ProgramState, TensorRef
 from metamode._core.recording.recorder import Recorder
@@ -26,6 +26,7 @@ __all__ = [
     "Key",
     "Plan",
     "Program",
+    "ProcessChanged",
     "ProgramState",
     "Recorder",
     "ReplayError",

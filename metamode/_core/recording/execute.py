@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from metamode._core.recording import settings
 from metamode._core.recording.memory import _bytes
 from metamode._core.recording.plan import DrawKey, Key, Plan, Step, Use
 from metamode._core.recording.program import Call, Fill, Origin, Start, TensorRef
@@ -23,11 +24,16 @@ from metamode._core.recording.streams import replayed
 from metamode._core.recording.thread_state import replaying
 from metamode._torch import DisableTorchFunction, neg_view
 
-__all__ = ["ReplayError", "execute", "with_bits"]
+__all__ = ["ProcessChanged", "ReplayError", "execute", "with_bits"]
 
 
 class ReplayError(RuntimeError):
     """Replay did not come out as the recording says it must."""
+
+
+class ProcessChanged(ReplayError):
+    """A process-wide setting a replayed call depends on changed during the replay (another
+    thread set it after the plan was checked)."""
 
 
 def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
@@ -130,7 +136,17 @@ class _Run:
                     kwargs[keyword] = generator
         default = torch.get_default_dtype()
         if call.default_dtype is not None and call.default_dtype != default:
-            raise ReplayError(f"the default dtype changed to {default} during materialize")
+            raise ProcessChanged(
+                f"the default dtype changed from {call.default_dtype} to {default} during "
+                f"materialize (torch.set_default_dtype in another thread?)"
+            )
+        if call.settings is not None and any(s != call.target for s in call.reads):
+            changed = call.settings.differences(settings.now())
+            if changed:
+                raise ProcessChanged(
+                    f"process-wide settings changed during materialize ({', '.join(changed)}; "
+                    f"in another thread?)"
+                )
         if call.grows:  # what torch fills is what the build's flags said, not this process's
             before = args[0].untyped_storage().nbytes()
             kept = _tail(args[0], before).clone()

@@ -213,6 +213,8 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
                 why = f"{_name(call)} draws random numbers and takes no generator="
             if why is None and before is not None:
                 why = states.get(before)
+                if why is not None and before[0] != serial:
+                    why = _continued(call, result.programs[before[0]], why)
             if why is not None:
                 states[(serial, step.index, draw.stream)] = why
                 reason = reason or why
@@ -230,13 +232,26 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
             result.refused[key] = reason
 
 
+def _continued(call: Call, source: Program, why: str) -> str:
+    """Why a draw continuing ``source``'s stream is refused: ``source``'s draw is."""
+    if _CONTINUED in why:
+        return why  # named at the first link of the chain
+    return (
+        f"{_name(call)} {_CONTINUED} (thread {source.owner!r}), where eager's state is "
+        f"unknown because {why}"
+    )
+
+
+_CONTINUED = "continues the generator stream of another replayable build"
+
+
 def _settings_reason(then: settings.ProcessSettings, current: settings.ProcessSettings) -> str:
     """Why a call that computed from tensor values under ``then`` cannot be replayed now."""
     changed = ", ".join(then.differences(current))
     return (
         f"it was computed from tensor values under process-wide settings that differ now "
-        f"({changed}); torch keeps them per process, so replay does not change them: set "
-        f"them back around materialize"
+        f"({changed}); replay does not change them, which would change other threads' "
+        f"results too: set them back around materialize"
     )
 
 

@@ -249,6 +249,9 @@ class Program:
     # recorded call created that was alive then (a tensor of it the build left in a module
     # without registering it is the build's, never a loaded one)
     made: dict[int, tuple[int, frozenset[int]]] = field(default_factory=dict)
+    # held by a materialize installing values of this program's storages, so two threads
+    # materializing modules that share one see each other's installs
+    installing: threading.RLock = field(default_factory=threading.RLock)
 
     def __repr__(self) -> str:
         return f"<metamode program {self.serial}: {len(self.calls)} calls, {self.state.value}>"

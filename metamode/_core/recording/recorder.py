@@ -56,7 +56,13 @@ from metamode._core.recording.program import (
     Stream,
     TensorRef,
 )
-from metamode._core.recording.streams import GeneratorTrack, before_draw, mark
+from metamode._core.recording.streams import (
+    DRAWING,
+    GeneratorTrack,
+    before_draw,
+    drawn_past_marker,
+    mark,
+)
 from metamode._core.skip_rule import POINTLESS_ON_META, dispatches_plainly
 from metamode._torch import (
     DisableTorchFunction,
@@ -399,6 +405,12 @@ class Recorder:
     def record(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
         """Run ``func`` through ``runner`` and record it if it creates, writes or draws."""
         fact = _FACTS.get(func) or fact_of(func)
+        if fact.random:
+            with DRAWING:
+                return self._record(func, fact, args, kwargs, runner)
+        return self._record(func, fact, args, kwargs, runner)
+
+    def _record(self, func: Any, fact: Fact, args: tuple, kwargs: dict, runner: Runner) -> Any:
         if fact.query:
             result = func(*args, **kwargs)
             if fact is _QUERY_FACT:  # reads metadata that is the same on meta
@@ -733,7 +745,8 @@ class Recorder:
                 target = runner.skips(original, args, kwargs)
                 if target is not None:  # torch's function on meta: what record would do
                     fact = _FACTS.get(original) or fact_of(original)
-                    return self._skipped(original, fact, args, kwargs, target)
+                    with DRAWING:
+                        return self._skipped(original, fact, args, kwargs, target)
                 return self.record(original, args, kwargs, runner)
             return args[0] if args else kwargs.get("tensor")
         inside = _Inside(self, runner, func)
@@ -887,7 +900,7 @@ class Recorder:
         ``.device``) and heard ``value``, meta's answer: eager construction would hear the
         CPU's."""
         frame = _reader(frame)
-        known = meta_branch(frame.f_code) if frame is not None else None
+        known = meta_branch(frame) if frame is not None else None
         if known is not None:
             self.diverge(known)
             return
@@ -935,8 +948,11 @@ class Recorder:
         if _covers(ref, self._nbytes(ref.storage)):
             call.covers = ref.storage
         fact = Fact(shortcut.function.__name__, random=shortcut.random, generator=True)
-        draws = self._begin_draws(fact, generators, [tensor], {}, keywords) if fact.random else []
-        self._append(call, [tensor], draws, False)
+        with DRAWING:
+            draws = []
+            if fact.random:
+                draws = self._begin_draws(fact, generators, [tensor], {}, keywords)
+            self._append(call, [tensor], draws, False)
 
     def _handed_out(self, func: Any, tensor: torch.Tensor, fact: Fact) -> None:
         """``func`` gave ``tensor``'s memory to code that can write it unseen; on meta, told
@@ -1089,6 +1105,14 @@ class Recorder:
 
     def _close(self) -> None:
         program = self.program
+        if any(drawn_past_marker(track) for track in self._generators.values()):
+            self.diverge(
+                "its generator was drawn from after the build's last recorded draw by code "
+                "metamode did not record (another thread, or torch functions disabled), from "
+                "the marker state a draw skipped on meta left it in, where eager "
+                "construction's state differs: what that code made from it is not eager's, "
+                "and the recording cannot tell which tensors those are"
+            )
         for tensor, entry in self._registered:
             entry.ref = self.ref(tensor)
             entry.version = _version(tensor)

@@ -1,7 +1,8 @@
 """The process-wide settings torch consults for a CPU result.
 
-torch keeps these once per process, not per thread, so replay cannot put them back around
-a call without changing every other thread's results: each recorded call that computes
+torch keeps these once per process (the intra-op thread count under OpenMP per thread, new
+threads starting from the last count set anywhere), so replay cannot put them back around
+a call without changing other threads' results: each recorded call that computes
 from tensor values keeps the values it ran under, and is refused when the process runs
 under other values at materialize time. (Calls that only create or overwrite a tensor,
 random draws included, do not depend on them.)

@@ -30,7 +30,7 @@ import torch
 
 from metamode._core.recording.program import Draw, Program, Start
 
-__all__ = ["GeneratorTrack", "before_draw", "mark", "replayed"]
+__all__ = ["DRAWING", "GeneratorTrack", "before_draw", "drawn_past_marker", "mark", "replayed"]
 
 
 class _Marker:
@@ -57,6 +57,10 @@ _KEEP = 256
 # nobody can replay. A few bytes per program; kept for the life of the process.
 _DEAD: dict[int, int] = {}
 _LOCK = threading.RLock()  # a finalizer may run while it is held
+# Held by a recorder from reading a generator's state before a draw (before_draw) to
+# setting the marker after it (mark): for other threads recording draws, one step, as
+# each of eager's draws is.
+DRAWING = threading.RLock()
 
 
 @dataclass(slots=True)
@@ -193,6 +197,15 @@ def _unknown(track: GeneratorTrack, keywords: tuple[str, ...]) -> Draw:
             "replayable context, or with torch functions disabled) after draws the "
             "recording skipped on meta, so eager construction's state is unknown"
         ),
+    )
+
+
+def drawn_past_marker(track: GeneratorTrack) -> bool:
+    """Whether ``track``'s generator drew from the marker state this recording set last,
+    through code the recording did not see."""
+    generator, marker = track.generator, track.marker
+    return (
+        marker is not None and generator.initial_seed() == marker and not _fresh(generator, marker)
     )
 
 
