@@ -226,7 +226,9 @@ def _log_only() -> None:
     nothing else (nothing is left to materialize: the warm-up does not)."""
     from metamode._core.recording import recorder
 
-    def record(self: Any, func: Any, args: tuple, kwargs: dict, runner: Any) -> Any:
+    def record(
+        self: Any, func: Any, args: tuple, kwargs: dict, runner: Any, fact: Any = None
+    ) -> Any:
         result, _ = runner.placed_call(func, args, kwargs)
         self.__dict__.setdefault("log", []).append((func, args, kwargs, result))
         return result

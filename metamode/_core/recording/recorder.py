@@ -402,15 +402,15 @@ class Recorder:
         return value
 
     # -- calls --------------------------------------------------------------------------
-    def record(self, func: Any, args: tuple, kwargs: dict, runner: Runner) -> Any:
+    def record(
+        self, func: Any, args: tuple, kwargs: dict, runner: Runner, fact: Fact | None = None
+    ) -> Any:
         """Run ``func`` through ``runner`` and record it if it creates, writes or draws."""
-        fact = _FACTS.get(func) or fact_of(func)
-        if fact.random:
-            with DRAWING:
-                return self._record(func, fact, args, kwargs, runner)
-        return self._record(func, fact, args, kwargs, runner)
-
-    def _record(self, func: Any, fact: Fact, args: tuple, kwargs: dict, runner: Runner) -> Any:
+        if fact is None:
+            fact = _FACTS.get(func) or fact_of(func)
+            if fact.random:
+                with DRAWING:
+                    return self.record(func, args, kwargs, runner, fact)
         if fact.query:
             result = func(*args, **kwargs)
             if fact is _QUERY_FACT:  # reads metadata that is the same on meta
