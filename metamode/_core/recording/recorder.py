@@ -405,12 +405,11 @@ class Recorder:
     def record(
         self, func: Any, args: tuple, kwargs: dict, runner: Runner, fact: Fact | None = None
     ) -> Any:
-        """Run ``func`` through ``runner`` and record it if it creates, writes or draws."""
+        """Run ``func`` through ``runner`` and record it if it creates, writes or draws
+        (``fact``: its fact, given when ``DRAWING`` is held for it)."""
+        drawing = fact is not None
         if fact is None:
             fact = _FACTS.get(func) or fact_of(func)
-            if fact.random:
-                with DRAWING:
-                    return self.record(func, args, kwargs, runner, fact)
         if fact.query:
             result = func(*args, **kwargs)
             if fact is _QUERY_FACT:  # reads metadata that is the same on meta
@@ -435,6 +434,9 @@ class Recorder:
             target = runner.skips(func, args, kwargs) if func in POINTLESS_ON_META else None
         if target is not None:
             return self._skipped(func, fact, args, kwargs, target)
+        if fact.random and not drawing:
+            with DRAWING:
+                return self.record(func, args, kwargs, runner, fact)
         tensors: list[torch.Tensor] = []
         generators: list[Any] = []
         _scan(args, tensors, generators)
@@ -668,7 +670,6 @@ class Recorder:
                         captured_kwargs[key] = self._capture(value, [], generators)
         except CannotCapture as error:
             captured_args, captured_kwargs, refused = (), {}, str(error)
-        draws = self._begin_draws(fact, generators, [target], kwargs) if fact.random else []
         storage = (ref.storage,)
         call = Call(func, captured_args, captured_kwargs, storage, storage, (), ref)
         if refused is not None:
@@ -677,7 +678,11 @@ class Recorder:
             call.target = ref.storage
             if _covers(ref, self._nbytes(ref.storage)):
                 call.covers = ref.storage
-        self._append(call, [target], draws, False)
+        if fact.random:
+            with DRAWING:
+                self._append(call, [target], self._begin_draws(fact, generators, [target], kwargs))
+        else:
+            self._append(call, [target], [])
         return target
 
     def _made(self, func: Any, fact: Fact, args: tuple, kwargs: dict, runner: Runner) -> Any:
@@ -745,8 +750,7 @@ class Recorder:
                 target = runner.skips(original, args, kwargs)
                 if target is not None:  # torch's function on meta: what record would do
                     fact = _FACTS.get(original) or fact_of(original)
-                    with DRAWING:
-                        return self._skipped(original, fact, args, kwargs, target)
+                    return self._skipped(original, fact, args, kwargs, target)
                 return self.record(original, args, kwargs, runner)
             return args[0] if args else kwargs.get("tensor")
         inside = _Inside(self, runner, func)
@@ -802,7 +806,7 @@ class Recorder:
         call: Call,
         tensors: list[torch.Tensor],
         draws: list[tuple[GeneratorTrack | None, Draw]],
-        drew_real: bool,
+        drew_real: bool = False,
     ) -> None:
         program = self.program
         storages = program.storages
