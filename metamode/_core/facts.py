@@ -32,6 +32,7 @@ __all__ = [
     "GROWING_NAMES",
     "UNINITIALISED_FACTORY_NAMES",
     "UNSTATED_WRITES",
+    "UNVERSIONED_SELF_WRITES",
     "VALUE_WRITING_METHOD_NAMES",
     "Fact",
     "MetaShortcut",
@@ -223,6 +224,14 @@ UNSTATED_WRITES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "batch_norm_gather_stats_with_counts": (None, ("running_mean", "running_var")),
 }
 
+# aten ops whose schema marks ``self`` written (``Tensor(a!) self``) and whose CPU kernel
+# writes it without moving its version counter (SobolEngine's state: torch.quasirandom)
+UNVERSIONED_SELF_WRITES = (
+    "_sobol_engine_scramble_",
+    "_sobol_engine_ff_",
+    "_sobol_engine_initialize_state_",
+)
+
 # torch's functions that make a tensor from what a pickle of a meta tensor holds: its
 # metadata, no values (``torch.load``, ``pickle.loads``)
 _VALUELESS_REBUILDS = frozenset([rebuild_meta_tensor_no_storage.__code__])
@@ -393,7 +402,8 @@ def _unversioned_writes(func: Any, name: str, schemas: list[Any]) -> Unversioned
     """Where ``func`` writes tensor arguments that torch's version counters do not show:
     the running statistics of :data:`UNSTATED_WRITES`, and the arguments other than ``self``
     an aten op's schema marks written (``Tensor(a!) running_mean`` of
-    ``_native_batch_norm_legit``), which its kernel need not version either."""
+    ``_native_batch_norm_legit``), which its kernel need not version either (``self`` too
+    for :data:`UNVERSIONED_SELF_WRITES`)."""
     if isinstance(func, OpOverload):
         schemas, name = [func._schema], func._schema.name.removeprefix("aten::")
     flag, written = UNSTATED_WRITES.get(name, (None, ()))
@@ -414,7 +424,7 @@ def _unversioned_writes(func: Any, name: str, schemas: list[Any]) -> Unversioned
                 if (
                     alias is not None
                     and alias.is_write
-                    and argument.name != "self"
+                    and (argument.name != "self" or name in UNVERSIONED_SELF_WRITES)
                     and not argument.kwarg_only
                     and "Tensor" in str(argument.type)
                 ):

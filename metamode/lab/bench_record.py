@@ -227,7 +227,13 @@ def _log_only() -> None:
     from metamode._core.recording import recorder
 
     def record(
-        self: Any, func: Any, args: tuple, kwargs: dict, runner: Any, fact: Any = None
+        self: Any,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        runner: Any,
+        fact: Any = None,
+        flights: Any = None,
     ) -> Any:
         result, _ = runner.placed_call(func, args, kwargs)
         self.__dict__.setdefault("log", []).append((func, args, kwargs, result))

@@ -36,6 +36,23 @@ class ProcessChanged(ReplayError):
     thread set it after the plan was checked)."""
 
 
+def _check_process(call: Call) -> None:
+    """Raise if a process-wide setting ``call``'s result depends on differs from the build's."""
+    default = torch.get_default_dtype()
+    if call.default_dtype is not None and call.default_dtype != default:
+        raise ProcessChanged(
+            f"the default dtype changed from {call.default_dtype} to {default} during "
+            f"materialize (torch.set_default_dtype in another thread?)"
+        )
+    if call.settings is not None and any(s != call.target for s in call.reads):
+        changed = call.settings.differences(settings.now())
+        if changed:
+            raise ProcessChanged(
+                f"process-wide settings changed during materialize ({', '.join(changed)}; in "
+                f"another thread?)"
+            )
+
+
 def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
     return with_bits(
         torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride), ref
@@ -134,19 +151,7 @@ class _Run:
             for draw, generator in zip(call.draws, generators, strict=True):
                 for keyword in draw.keywords:
                     kwargs[keyword] = generator
-        default = torch.get_default_dtype()
-        if call.default_dtype is not None and call.default_dtype != default:
-            raise ProcessChanged(
-                f"the default dtype changed from {call.default_dtype} to {default} during "
-                f"materialize (torch.set_default_dtype in another thread?)"
-            )
-        if call.settings is not None and any(s != call.target for s in call.reads):
-            changed = call.settings.differences(settings.now())
-            if changed:
-                raise ProcessChanged(
-                    f"process-wide settings changed during materialize ({', '.join(changed)}; "
-                    f"in another thread?)"
-                )
+        _check_process(call)
         if call.grows:  # what torch fills is what the build's flags said, not this process's
             before = args[0].untyped_storage().nbytes()
             kept = _tail(args[0], before).clone()
@@ -158,6 +163,7 @@ class _Run:
             result = call.func(*args, **kwargs)
             if call.fills is Fill.RESULT:
                 _fill_uninitialised(result)
+        _check_process(call)  # and while it ran
         if not draws_only:
             _bind(call, result, serial, self.env, self.relaid)
         for draw, generator in zip(call.draws, generators, strict=True):

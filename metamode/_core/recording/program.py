@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,6 +255,9 @@ class Program:
     # materializing modules that share one see each other's installs
     installing: threading.RLock = field(default_factory=threading.RLock)
 
+    def __post_init__(self) -> None:
+        _PROGRAMS.add(self)
+
     def __repr__(self) -> str:
         return f"<metamode program {self.serial}: {len(self.calls)} calls, {self.state.value}>"
 
@@ -269,3 +274,15 @@ class Program:
             yield f"  {index:4d}  {call!r}"
         if self.diverged:
             yield f"  diverged: {self.diverged}"
+
+
+_PROGRAMS: weakref.WeakSet[Program] = weakref.WeakSet()  # every program alive
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent that held an install lock does not exist in the child
+    for program in list(_PROGRAMS):
+        program.installing._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

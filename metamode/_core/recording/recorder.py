@@ -58,10 +58,13 @@ from metamode._core.recording.program import (
 )
 from metamode._core.recording.streams import (
     DRAWING,
+    Flight,
     GeneratorTrack,
     before_draw,
     drawn_past_marker,
+    land,
     mark,
+    take_off,
 )
 from metamode._core.skip_rule import POINTLESS_ON_META, dispatches_plainly
 from metamode._torch import (
@@ -403,11 +406,16 @@ class Recorder:
 
     # -- calls --------------------------------------------------------------------------
     def record(
-        self, func: Any, args: tuple, kwargs: dict, runner: Runner, fact: Fact | None = None
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        runner: Runner,
+        fact: Fact | None = None,
+        flights: list[Flight] | None = None,
     ) -> Any:
         """Run ``func`` through ``runner`` and record it if it creates, writes or draws
-        (``fact``: its fact, given when ``DRAWING`` is held for it)."""
-        drawing = fact is not None
+        (``fact``, ``flights``: given for a call that draws, which lands them)."""
         if fact is None:
             fact = _FACTS.get(func) or fact_of(func)
         if fact.query:
@@ -434,9 +442,14 @@ class Recorder:
             target = runner.skips(func, args, kwargs) if func in POINTLESS_ON_META else None
         if target is not None:
             return self._skipped(func, fact, args, kwargs, target)
-        if fact.random and not drawing:
-            with DRAWING:
-                return self.record(func, args, kwargs, runner, fact)
+        if fact.random and flights is None:
+            flights = []
+            try:
+                return self.record(func, args, kwargs, runner, fact, flights)
+            finally:
+                if flights:  # it raised before landing
+                    with DRAWING:
+                        land(flights)
         tensors: list[torch.Tensor] = []
         generators: list[Any] = []
         _scan(args, tensors, generators)
@@ -456,7 +469,11 @@ class Recorder:
         before = [self.ref(t) for t in tensors] if reshapes or fact.random else None
         if before is None:
             self._check_writes(tensors, versions)
-        draws = self._begin_draws(fact, generators, tensors, kwargs) if fact.random else []
+        draws: list[tuple[GeneratorTrack | None, Draw]] = []
+        if flights is not None:
+            with DRAWING:
+                draws = self._begin_draws(fact, generators, tensors, kwargs)
+                take_off([track for track, _ in draws], flights)
         # a call that may change its arguments' geometry is replayed on them as they were
         early = self._captured(func, args, kwargs) if reshapes else None
         result, skipped = runner.placed_call(func, args, kwargs)
@@ -519,7 +536,12 @@ class Recorder:
             if _covers(inputs[0], self._nbytes(inputs[0].storage)):
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
-        self._append(call, tensors, draws, drew_real)
+        if flights is not None:
+            with DRAWING:
+                land(flights, draws)
+                self._append(call, tensors, draws, drew_real)
+        else:
+            self._append(call, tensors, draws, drew_real)
         if _FOREIGN in generators and func is not _COPIES:
             # made from an array or buffer whose memory eager's result may share: a real
             # result that shares it is watched (not resizable); a meta one cannot share it

@@ -3,6 +3,7 @@ no module alive, only the programs their tensors belong to."""
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -172,3 +173,11 @@ def remember(tensor: torch.Tensor, found: Entry) -> None:
     """Undo :func:`forget`: ``tensor`` stands for ``found`` again."""
     with _LOCK:
         _ENTRIES[id(tensor)] = (_name(tensor), found)
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent that held one of these does not exist in the child
+    _LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

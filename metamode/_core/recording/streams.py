@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,7 +31,17 @@ import torch
 
 from metamode._core.recording.program import Draw, Program, Start
 
-__all__ = ["DRAWING", "GeneratorTrack", "before_draw", "drawn_past_marker", "mark", "replayed"]
+__all__ = [
+    "DRAWING",
+    "Flight",
+    "GeneratorTrack",
+    "before_draw",
+    "drawn_past_marker",
+    "land",
+    "mark",
+    "replayed",
+    "take_off",
+]
 
 
 class _Marker:
@@ -59,7 +70,9 @@ _DEAD: dict[int, int] = {}
 _LOCK = threading.RLock()  # a finalizer may run while it is held
 # Held by a recorder from reading a generator's state before a draw (before_draw) to
 # setting the marker after it (mark): for other threads recording draws, one step, as
-# each of eager's draws is.
+# each of eager's draws is. Not held while a call that draws for real runs (it may run
+# code that waits for another thread): that call is a Flight, and a draw from its
+# generator that another thread's recorder starts meanwhile makes both unknown.
 DRAWING = threading.RLock()
 
 
@@ -145,6 +158,8 @@ def before_draw(
     that replay passes the generator to under ``keywords``; ``last_call`` is this
     program's previous draw on the stream (None if none)."""
     generator = track.generator
+    if _FLIGHTS and _overlaps(generator):
+        return Draw(track.stream, Start.UNKNOWN, reason=_COLLIDED, keywords=keywords)
     seed = generator.initial_seed()
     if seed == track.marker and last_call is not None:  # the marker it set last
         if _fresh(generator, seed):
@@ -200,6 +215,67 @@ def _unknown(track: GeneratorTrack, keywords: tuple[str, ...]) -> Draw:
     )
 
 
+class Flight:
+    """A recorded call drawing from a generator while it runs, outside ``DRAWING``."""
+
+    __slots__ = ("collided", "generator", "index", "thread")
+
+    def __init__(self, generator: torch.Generator, index: int) -> None:
+        self.generator = generator
+        self.index = index  # its draw's position in the call's draws
+        self.thread = threading.get_ident()
+        self.collided = False  # another thread's recorded draw started meanwhile
+
+
+# id(generator) -> the flights drawing from it now
+_FLIGHTS: dict[int, list[Flight]] = {}
+_COLLIDED = (
+    "another thread's recorded call drew from the same generator while this one ran, so "
+    "which drew first is unknown; build in one thread, or give each thread a generator"
+)
+
+
+def take_off(tracks: list[GeneratorTrack | None], flights: list[Flight]) -> None:
+    """Note that a call about to run draws from ``tracks``' generators (under ``DRAWING``)."""
+    for index, track in enumerate(tracks):
+        if track is not None:
+            flight = Flight(track.generator, index)
+            _FLIGHTS.setdefault(id(track.generator), []).append(flight)
+            flights.append(flight)
+
+
+def land(flights: list[Flight], draws: list | None = None) -> list | None:
+    """The call noted by ``flights`` ran, or raised (under ``DRAWING``): its ``draws``, a
+    draw that another thread's draw from the same generator overlapped made unknown."""
+    for flight in flights:
+        flying = _FLIGHTS.get(id(flight.generator), [])
+        if flight in flying:
+            flying.remove(flight)
+        if not flying:
+            _FLIGHTS.pop(id(flight.generator), None)
+        if flight.collided and draws is not None:
+            track, draw = draws[flight.index]
+            draws[flight.index] = (
+                track,
+                Draw(draw.stream, Start.UNKNOWN, reason=_COLLIDED, keywords=draw.keywords),
+            )
+    flights.clear()
+    return draws
+
+
+def _overlaps(generator: torch.Generator) -> bool:
+    """Whether another thread's recorded call is drawing from ``generator`` now (each of
+    them is then unknown)."""
+    flying = _FLIGHTS.get(id(generator))
+    if not flying:
+        return False
+    me = threading.get_ident()
+    others = [f for f in flying if f.thread != me]
+    for flight in others:
+        flight.collided = True
+    return bool(others)
+
+
 def drawn_past_marker(track: GeneratorTrack) -> bool:
     """Whether ``track``'s generator drew from the marker state this recording set last,
     through code the recording did not see."""
@@ -252,3 +328,12 @@ def _forget(serial: int) -> None:
         while len(_KEPT) > _KEEP:
             seed, _ = _KEPT.popitem(last=False)
             _MARKERS.pop(seed, None)
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent that held one of these does not exist in the child
+    _LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+    DRAWING._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -27,6 +27,7 @@ from torch import nn
 import metamode
 import metamode._contexts.materialize as materialize_module
 from metamode._core import recording
+from metamode._core.modes import EmptyWeights
 from metamode._core.recording import recorder as recorder_module
 from tests.unit.contexts.materialize_checks import (
     MODES,
@@ -241,6 +242,51 @@ def test_two_builds_racing_on_the_default_generator_are_eager_in_some_order(monk
     ref = {name: nn.Linear(3, 3, bias=False) for name in "ab"}
     for name in "ab":
         materialize_exactly(built[name], ref[name])
+
+
+class _LayerAndNoise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)  # draws skipped on meta: the generator on a marker
+        self.register_buffer("noise", torch.empty(4).normal_())  # drawn for real (params-only)
+
+
+def test_a_real_draw_overlapped_by_another_threads_draw_refuses_both(monkeypatch):
+    """Thread a's real draw runs outside the draw lock (its op may wait for other threads);
+    thread b's build draws from the same generator meanwhile: which drew first is unknown,
+    so both draws are refused, and a's layer drawn before stays exact."""
+    inside, go_on = threading.Event(), threading.Event()
+    original = EmptyWeights.placed_call
+
+    def placed_call(self, func, args, kwargs):
+        if threading.current_thread().name == "a" and getattr(func, "__name__", "") == "normal_":
+            inside.set()
+            assert go_on.wait(_WAIT_S)
+        return original(self, func, args, kwargs)
+
+    monkeypatch.setattr(EmptyWeights, "placed_call", placed_call)
+    built: dict[str, nn.Module] = {}
+
+    def a() -> None:
+        with metamode.empty_weights(replayable=True):
+            built["a"] = _LayerAndNoise()
+
+    def b() -> None:
+        assert inside.wait(_WAIT_S)
+        try:
+            with metamode.empty_weights(replayable=True):
+                built["b"] = nn.Linear(3, 3)
+        finally:
+            go_on.set()
+
+    torch.manual_seed(0)
+    _run(a, b, names=("a", "b"))
+    monkeypatch.undo()
+    overlapped = "drew from the same generator while this one ran"
+    assert_refused(built["a"], "noise", because=overlapped)
+    assert_refused(built["b"], "weight", because=overlapped)
+    torch.manual_seed(0)
+    materialize_exactly(built["a"].lin, nn.Linear(3, 3))
 
 
 # -- each build on a generator of its own --------------------------------------------------
