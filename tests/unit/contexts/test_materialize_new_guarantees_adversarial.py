@@ -14,9 +14,8 @@ import copy
 import itertools
 import multiprocessing
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,92 +38,15 @@ from tests.unit.contexts.materialize_checks import (
     default_dtype,
     materialize_exactly,
 )
+from tests.unit.contexts.thread_checks import WAIT_S as _WAIT_S
+from tests.unit.contexts.thread_checks import Turns, default_generator_kept  # noqa: F401
+from tests.unit.contexts.thread_checks import at_once as _at_once
+from tests.unit.contexts.thread_checks import replayable_or_eager as _context
+from tests.unit.contexts.thread_checks import run_threads as _run
+from tests.unit.contexts.thread_checks import switching_often as _switching_often
 
-_WAIT_S = 30.0  # guards against a hang; never used for ordering
-_HANG_S = 5.0  # how long a case that deadlocks today is given before it counts as hung
+_HANG_S = 5.0  # how long a case that could deadlock is given before it counts as hung
 _DRAWN_PAST = "drawn from after the build's last recorded draw"
-
-
-@pytest.fixture(autouse=True)
-def _default_generator_kept():
-    """The builds here leave the default generator in marker states: put it back."""
-    state = torch.default_generator.get_state()
-    yield
-    torch.default_generator.set_state(state)
-
-
-def _run(*targets: Callable[[], object], names: tuple[str, ...] = ()) -> None:
-    """Run each target in a thread of its own; re-raise the first error."""
-    errors: list[BaseException] = []
-
-    def guarded(target: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as error:
-                errors.append(error)
-
-        return run
-
-    threads = [
-        threading.Thread(target=guarded(t), name=names[i] if i < len(names) else None)
-        for i, t in enumerate(targets)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(_WAIT_S)
-        assert not thread.is_alive(), f"{thread.name} hangs"
-    if errors:
-        raise errors[0]
-
-
-def _at_once(*calls: Callable[[], object]) -> None:
-    start = threading.Barrier(len(calls))
-
-    def after_start(call: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            start.wait(_WAIT_S)
-            call()
-
-        return run
-
-    _run(*[after_start(call) for call in calls])
-
-
-class Turns:
-    """Strict turn-taking between threads: ``with turns(i):`` runs after turn ``i - 1``."""
-
-    def __init__(self, count: int) -> None:
-        self._events = [threading.Event() for _ in range(count + 1)]
-        self._events[0].set()
-
-    def wait(self, index: int) -> None:
-        assert self._events[index].wait(_WAIT_S), f"turn {index} never came"
-
-    @contextlib.contextmanager
-    def __call__(self, index: int) -> Iterator[None]:
-        self.wait(index)
-        try:
-            yield
-        finally:
-            self._events[index + 1].set()
-
-
-def _context(replayable: bool, include_buffers: bool = False):
-    if not replayable:
-        return contextlib.nullcontext()
-    return metamode.empty_weights(include_buffers=include_buffers, replayable=True)
-
-
-@contextlib.contextmanager
-def _switching_often() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 class Built(nn.Module):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,78 +37,14 @@ from tests.unit.contexts.materialize_checks import (
     default_dtype,
     materialize_exactly,
 )
+from tests.unit.contexts.thread_checks import WAIT_S as _WAIT_S
+from tests.unit.contexts.thread_checks import Turns, default_generator_kept  # noqa: F401
+from tests.unit.contexts.thread_checks import at_once as _at_once
+from tests.unit.contexts.thread_checks import replayable_or_eager as _context
+from tests.unit.contexts.thread_checks import run_threads as _run
+from tests.unit.contexts.thread_checks import switching_often as _switching_often
 
-_WAIT_S = 30.0  # guards against a hang; never used for ordering
 _DRAWN_UNSEEN = "drawn from by code metamode did not record"
-
-
-@pytest.fixture(autouse=True)
-def _default_generator_kept():
-    """The builds here leave the default generator in marker states: put it back."""
-    state = torch.default_generator.get_state()
-    yield
-    torch.default_generator.set_state(state)
-
-
-def _run(*targets: Callable[[], object], names: tuple[str, ...] = ()) -> None:
-    """Run each target in a thread of its own; re-raise the first error."""
-    errors: list[BaseException] = []
-
-    def guarded(target: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as error:
-                errors.append(error)
-
-        return run
-
-    threads = [
-        threading.Thread(target=guarded(t), name=names[i] if i < len(names) else None)
-        for i, t in enumerate(targets)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(_WAIT_S)
-        assert not thread.is_alive(), f"{thread.name} hangs"
-    if errors:
-        raise errors[0]
-
-
-class Turns:
-    """Strict turn-taking between threads: ``with turns(i):`` runs after turn ``i - 1``."""
-
-    def __init__(self, count: int) -> None:
-        self._events = [threading.Event() for _ in range(count + 1)]
-        self._events[0].set()
-
-    def wait(self, index: int) -> None:
-        assert self._events[index].wait(_WAIT_S), f"turn {index} never came"
-
-    @contextlib.contextmanager
-    def __call__(self, index: int) -> Iterator[None]:
-        self.wait(index)
-        try:
-            yield
-        finally:
-            self._events[index + 1].set()
-
-
-def _context(replayable: bool, include_buffers: bool) -> contextlib.AbstractContextManager:
-    if not replayable:
-        return contextlib.nullcontext()
-    return metamode.empty_weights(include_buffers=include_buffers, replayable=True)
-
-
-@contextlib.contextmanager
-def _switching_often() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 # -- two builds on the default generator, taking turns -----------------------------------
@@ -314,19 +249,6 @@ def _towers(seed: int, replayable: bool, include_buffers: bool) -> nn.Sequential
     _LOCAL.generator.manual_seed(seed)
     with _context(replayable, include_buffers):
         return nn.Sequential(*[_Tower(_LOCAL.generator) for _ in range(3)])
-
-
-def _at_once(*calls: Callable[[], object]) -> None:
-    start = threading.Barrier(len(calls))
-
-    def after_start(call: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            start.wait(_WAIT_S)
-            call()
-
-        return run
-
-    _run(*[after_start(call) for call in calls])
 
 
 def _one_round_on_thread_local_generators(refs: dict[int, nn.Module], include_buffers: bool):
