@@ -974,11 +974,12 @@ class Recorder:
         if _covers(ref, self._nbytes(ref.storage)):
             call.covers = ref.storage
         fact = Fact(shortcut.function.__name__, random=shortcut.random, generator=True)
-        with DRAWING:
-            draws = []
-            if fact.random:
+        if fact.random:
+            with DRAWING:
                 draws = self._begin_draws(fact, generators, [tensor], {}, keywords)
-            self._append(call, [tensor], draws, False)
+                self._append(call, [tensor], draws)
+        else:
+            self._append(call, [tensor], [])
 
     def _handed_out(self, func: Any, tensor: torch.Tensor, fact: Fact) -> None:
         """``func`` gave ``tensor``'s memory to code that can write it unseen; on meta, told
