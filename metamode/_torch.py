@@ -40,7 +40,10 @@ private name                                     public alternative
 ``torch._C._dispatch_has_kernel_for_``         none: whether an op has a kernel of its own
 ``dispatch_key``                                 for a key (autocast's casting ops)
 ``torch.UntypedStorage._new_with_weak_ptr``     none: a storage from torch's weak reference
-                                                 (``StorageWeakRef``) to it, while it lives
+                                                 to it, while it lives
+``torch.UntypedStorage._weak_ref`` /             ``torch.multiprocessing.reductions.``
+``_expired`` / ``_free_weak_ref``                ``StorageWeakRef``, which adds two Python
+                                                 frames to each question (``StorageRef``)
 ``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
                                                  device type, which sets parts of them
 ``torch._ops.OpOverload``                        none: the type of ``torch.ops.aten.<op>.<x>``
@@ -56,9 +59,7 @@ run the hooks again), ``Module._load_from_state_dict`` (the hook's
 ``_init_flat_weights`` and FSDP2's ``_get_fsdp_state()`` (materialize),
 ``untyped_storage()._cdata`` (the recorder's storage identity; public:
 ``data_ptr()``, which is 0 on meta), ``Tensor._cdata`` (a tensor's implementation,
-which ``swap_tensors`` exchanges; ``recording/held.py``; public: none),
-``torch.multiprocessing.reductions.StorageWeakRef`` (keeps a recorded storage's address
-from reuse).
+which ``swap_tensors`` exchanges; ``recording/held.py``; public: none).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ __all__ = [
     "push_mode",
     "rebuild_meta_tensor_no_storage",
     "registration_hooks",
+    "StorageRef",
     "storage_of",
     "set_global_device_context",
     "use_count",
@@ -150,8 +152,27 @@ def dispatch_keys() -> tuple[Any, Any]:
     return dispatch_include_set(), dispatch_exclude_set()
 
 
-def storage_of(ref: Any) -> torch.UntypedStorage | None:
-    """The storage ``ref`` (a ``StorageWeakRef``) refers to, or None if it is gone."""
+class StorageRef:
+    """A weak reference to a storage, keeping its address from reuse while it lives."""
+
+    __slots__ = ("cdata",)
+    # kept on the class: at interpreter shutdown __del__ may run after torch's globals go
+    _expired: Any = staticmethod(torch.UntypedStorage._expired)
+    _free: Any = staticmethod(torch.UntypedStorage._free_weak_ref)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata: int = storage._weak_ref()  # type: ignore[assignment]
+
+    def expired(self) -> bool:
+        """Whether the storage is gone."""
+        return self._expired(self.cdata)
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
+
+
+def storage_of(ref: StorageRef) -> torch.UntypedStorage | None:
+    """The storage ``ref`` refers to, or None if it is gone."""
     return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from metamode import _torch
 from metamode._core import recording
@@ -30,7 +29,7 @@ __all__ = [
 _CPU = torch.device("cpu")
 # program -> {storage index: the memory materialize installed there, weakly}: a later
 # materialize of another tensor of that storage shares it, as eager construction's do
-_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, StorageWeakRef]] = (
+_INSTALLED: weakref.WeakKeyDictionary[Program, dict[int, _torch.StorageRef]] = (
     weakref.WeakKeyDictionary()
 )
 # meta buffer -> the buffer materialize put in its place (a module outside the one
@@ -543,7 +542,7 @@ class _Installer:
                 installed = self._put(slot, value)
             shared = _INSTALLED.setdefault(slot.entry.program, {})
             # the memory, weakly: a weak reference to the tensor would stop swap_tensors
-            shared[ref.storage] = StorageWeakRef(installed.untyped_storage())
+            shared[ref.storage] = _torch.StorageRef(installed.untyped_storage())
             self._undo.append(functools.partial(shared.pop, ref.storage, None))
 
     def buffer(self, slot: _Slot, new: torch.Tensor) -> torch.Tensor:

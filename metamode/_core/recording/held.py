@@ -12,9 +12,8 @@ object another implementation and storage: it is another tensor to torch, and he
 from __future__ import annotations
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from metamode._torch import DisableTorchFunction
+from metamode._torch import DisableTorchFunction, StorageRef
 
 __all__ = ["Held", "Named"]
 
@@ -50,7 +49,7 @@ class Named:
         self,
         tensor: torch.Tensor,
         storage: torch.UntypedStorage | None = None,
-        keep: StorageWeakRef | None = None,
+        keep: StorageRef | None = None,
     ) -> None:
         """``storage``, ``keep``: the tensor's storage and a weak reference to it, if the
         caller has them."""
@@ -59,7 +58,7 @@ class Named:
                 storage = tensor.untyped_storage()
         self.impl: int = tensor._cdata
         self.storage: int = storage._cdata
-        self.keep = keep if keep is not None else StorageWeakRef(storage)
+        self.keep = keep if keep is not None else StorageRef(storage)
 
     def of(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (of the ``id`` this was kept under) is the tensor named."""

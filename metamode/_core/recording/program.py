@@ -88,7 +88,7 @@ class Outside:
     tensor: Callable[[], torch.Tensor | None]  # the tensor (held), or None once not needed
     version: int
     storage: int  # the storage's address, kept from reuse by the weak reference below
-    keep: Any  # torch's StorageWeakRef to that storage
+    keep: Any  # a StorageRef to that storage
     written: bool = False  # the build wrote it: its value at first use is gone
     snapshot: Any = None  # memory.Bytes: its value at first read (memory torch does not own)
 

@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.utils.parametrize
 import torch.utils.deterministic
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from metamode._core.facts import (
@@ -69,6 +68,7 @@ from metamode._core.recording.streams import (
 from metamode._core.skip_rule import POINTLESS_ON_META, dispatches_plainly
 from metamode._torch import (
     DisableTorchFunction,
+    StorageRef,
     UninitializedTensorMixin,
     neg_view,
     pop_mode,
@@ -146,7 +146,7 @@ class Recorder:
         registry.sweep()
         self.program = Program()
         # storage address -> (storage index, weak reference keeping the address unique)
-        self._storages: dict[int, tuple[int, StorageWeakRef]] = {}
+        self._storages: dict[int, tuple[int, StorageRef]] = {}
         # id(tensor) -> (a weak reference, or a Held meta tensor, its TensorRef, its version,
         # storage epoch then)
         self._tensors: dict[int, tuple[Callable[[], Any], TensorRef, int, int]] = {}
@@ -205,7 +205,7 @@ class Recorder:
                 "context; materialize that one first"
             )
         self._epochs.append(0)
-        keep = StorageWeakRef(storage)
+        keep = StorageRef(storage)
         self._storages[storage._cdata] = (index, keep)
         if outside is not None:
             outside.keep = keep
@@ -1060,7 +1060,7 @@ class Recorder:
             ):
                 # eager construction keeps one tensor: the twin *is* the original
                 storage = placed.untyped_storage()
-                keep = StorageWeakRef(storage)
+                keep = StorageRef(storage)
                 self._storages[storage._cdata] = (ref.storage, keep)
                 self._retire(id(placed))
                 self._tensors[id(placed)] = (
