@@ -638,18 +638,20 @@ _KNOWN_BRANCHES: dict[CodeType, tuple[str, _Where]] = {}
 _KNOWN_FOR = [-1]  # the size of sys.modules when _KNOWN_BRANCHES was gathered
 
 
-def meta_branch(frame: FrameType) -> str | None:
-    """Why the library code ``frame`` runs, which read where a tensor is, builds otherwise
-    on meta, if it is known to."""
+def meta_branch(frame: FrameType) -> tuple[bool, str | None]:
+    """Whether the library code ``frame`` runs, which read where a tensor is, is a registered
+    branch on meta, and if so why it builds otherwise there (None: it builds as eager does
+    here, as its ``when`` says)."""
     if _KNOWN_FOR[0] != len(sys.modules):  # a library was imported since: ask again
         _KNOWN_BRANCHES.clear()
         for codes, why, when in _META_BRANCHES:
             _KNOWN_BRANCHES.update(dict.fromkeys(codes(), (why, when)))
         _KNOWN_FOR[0] = len(sys.modules)
     known = _KNOWN_BRANCHES.get(frame.f_code)
-    if known is None or (known[1] is not None and not known[1](frame)):
-        return None
-    return known[0]
+    if known is None:
+        return False, None
+    why, when = known
+    return True, why if when is None or when(frame) else None
 
 
 # -- libraries' device probes -------------------------------------------------------------

@@ -290,8 +290,10 @@ def _cast_skipped(frame: FrameType) -> bool:
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             dtype = None
     layer, adapter = names.get("adapter_layer"), names.get("adapter_name")
-    if dtype is None or layer is None or adapter not in layer:
-        return False
+    if layer is None or adapter not in layer:
+        return True  # not the code this was written against: refuse
+    if dtype is None:
+        return False  # eager casts nothing
     item = layer[adapter]
     tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
     return any(
@@ -306,4 +308,40 @@ register_meta_branch(
     "with low_cpu_mem_usage=False, or build the base layer in the adapter's dtype and cast "
     "the model after materialize",
     _cast_skipped,
+)
+
+
+def _frod_device_and_dtype() -> list[CodeType]:
+    """FRoD's functions that skip its adapter parameters on meta when they choose the device
+    and dtype of new adapters, and when they move and cast adapters to the base layer's."""
+    return _codes(
+        ("peft.tuners.frod.layer", "Linear._get_existing_adapter_device_dtype"),
+        ("peft.tuners.frod.layer", "Linear._move_adapter_to_device_of_base_layer"),
+    )
+
+
+def _frod_dtypes_differ(frame: FrameType) -> bool:
+    """Whether the FRoD layer's base weight and adapter parameters are in more than one
+    floating dtype: with one, skipping those on meta changes no dtype eager would pick or
+    cast to."""
+    layer = frame.f_locals.get("self")
+    names = getattr(layer, "adapter_layer_names", None)
+    if layer is None or names is None or not hasattr(layer, "get_base_layer"):
+        return True  # not the code this was written against: refuse
+    base = getattr(layer.get_base_layer(), "weight", None)
+    tensors = [base] if isinstance(base, torch.Tensor) else []
+    for name in names:
+        table = getattr(layer, name, None)
+        if isinstance(table, torch.nn.ParameterDict):
+            tensors += table.values()
+    return len({t.dtype for t in tensors if t.dtype.is_floating_point or t.dtype.is_complex}) > 1
+
+
+register_meta_branch(
+    _frod_device_and_dtype,
+    "FRoD leaves an adapter on the meta device out of its choice of dtype, where eager "
+    "construction picks the dtype of an existing adapter and casts to the base layer's: "
+    "create it with low_cpu_mem_usage=False, or build the base layer and every adapter in "
+    "one dtype and cast the model after materialize",
+    _frod_dtypes_differ,
 )

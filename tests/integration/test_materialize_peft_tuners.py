@@ -10,7 +10,9 @@ that raise under a plain (not replayable) meta context raise the same way when r
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -461,7 +463,6 @@ ONLY_INSIDE = {
 REFUSED = {
     "psoft": r"OrthLayer\.reset_parameters.* read \.is_meta",
     "deft": r"DeftLayer\.reset_deft_parameters read \.is_meta",
-    "frod": r"_get_existing_adapter_device_dtype read \.is_meta",
     "lora_velora": r"__bool__ read the values of a tensor the build computed from random numbers",
     "lora_monteclora": r"MonteCLoRA defers its sampler",
 }
@@ -487,6 +488,7 @@ SECOND = sorted(
     and name not in ONLY_INSIDE | set(REFUSED) | set(META_BRANCH_ON_A_REAL_BASE) | NO_SECOND
 )
 HALF_PRECISION = {
+    "frod": None,
     "lora_rslora": HALF,
     "lora_conv_dora": HALF,
     "hra_gs_random": HALF,
@@ -639,7 +641,33 @@ def test_xlora_refuses_the_adapters_it_loads_into_meta(peft_shim, tmp_path: Path
     loaded = [name for name in _meta(model) if ".lora_" in name]
     assert len(loaded) == 16
     assert any("xlora_classifier" in name for name in _meta(model))
-    assert_refused(model, *loaded, because="UntypedStorage")
+    assert_refused(model, *loaded, because=r"UntypedStorage: the bytes .* read from a file")
+
+
+def _frod_with_a_float32_adapter_on_a_float64_base(low_cpu_mem_usage: bool) -> nn.Module:
+    torch.manual_seed(0)
+    base = Base().to(torch.float64)
+    model = peft.get_peft_model(base, TUNERS["frod"].config(), low_cpu_mem_usage=False)
+    for name, param in model.named_parameters():
+        if ".frod_" in name and param.dtype.is_floating_point:
+            param.data = param.data.float()
+    torch.manual_seed(1)
+    with metamode.empty_weights(replayable=True) if low_cpu_mem_usage else contextlib.nullcontext():
+        model.add_adapter("b", TUNERS["frod"].config(), low_cpu_mem_usage=low_cpu_mem_usage)
+    return model
+
+
+def test_frod_refuses_an_adapter_whose_dtype_eager_would_pick_otherwise(peft_shim):
+    """FRoD picks a new adapter's dtype from an existing adapter and casts it to the base
+    layer's, skipping adapters on meta: with a float32 adapter on a float64 base, eager's
+    second adapter is cast where the meta one is not, so it is refused upfront."""
+    ref = _frod_with_a_float32_adapter_on_a_float64_base(low_cpu_mem_usage=False)
+    model = _frod_with_a_float32_adapter_on_a_float64_base(low_cpu_mem_usage=True)
+    added = [name for name in _meta(model) if name.endswith("frod_lambda_l.b")]
+    assert added
+    dtypes = {tensors(model)[n].dtype for n in added}, {tensors(ref)[n].dtype for n in added}
+    assert dtypes == ({torch.float32}, {torch.float64})  # eager cast them, meta did not
+    _refused_upfront(model, ref, "FRoD leaves an adapter on the meta device")
 
 
 # name ("-inside": the base built in the block) -> (how, include_buffers, base built in the
@@ -684,3 +712,18 @@ def test_builds_a_plain_meta_context_cannot_make_raise_the_same_way(peft_shim, k
     with pytest.raises(type(plain.value), match=match):
         build(replayable=True)
     assert metamode.active() is None
+
+
+def test_the_conditions_of_peft_branches_refuse_code_they_do_not_know():
+    """A PEFT version whose functions keep other local names than the conditions read is
+    refused at the read, never taken as building as eager."""
+    from metamode.integrations.peft import _cast_skipped, _frod_dtypes_differ
+
+    def genexpr_frame():  # the frame a condition gets: a generator's, inside a function
+        return next(sys._getframe() for _ in range(1))
+
+    def move(adapter_name="default"):  # no adapter_layer among its locals
+        return genexpr_frame()
+
+    assert _cast_skipped(move())
+    assert _frod_dtypes_differ(sys._getframe())  # no FRoD layer as self

@@ -389,6 +389,12 @@ class Recorder:
             return bytearray(value)
         if kind is array.array:
             return array.array(value.typecode, value)
+        if issubclass(kind, torch.UntypedStorage | torch.TypedStorage):
+            raise CannotCapture(
+                f"it was made from raw memory ({kind.__qualname__}: the bytes torch.load "
+                f"and safetensors read from a file, for one), which metamode does not copy: "
+                f"load files into the module after materialize"
+            )
         raise CannotCapture(f"an argument of type {kind.__qualname__} metamode cannot copy")
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
@@ -926,9 +932,11 @@ class Recorder:
         ``.device``) and heard ``value``, meta's answer: eager construction would hear the
         CPU's."""
         frame = _reader(frame)
-        known = meta_branch(frame) if frame is not None else None
-        if known is not None:
-            self.diverge(known)
+        registered, why = meta_branch(frame) if frame is not None else (False, None)
+        if why is not None:
+            self.diverge(why)
+            return
+        if registered:  # a library's branch on meta that builds as eager does here
             return
         if frame is not None and fact.is_meta and reads_meta_only_to_warn(frame.f_code):
             return

@@ -273,3 +273,71 @@ def test_load_from_state_dict_reads_is_meta_only_to_warn():
         "param.is_meta and not input_param.is_meta and not assign_to_params_buffers ): "
         "warnings.warn("
     )
+
+
+class _RegisteredBranch(nn.Module):
+    """A library layer that skips its init on meta, as a registered branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        self.reset()
+
+    def reset(self) -> None:
+        if self.weight.is_meta:
+            return
+        nn.init.normal_(self.weight)
+
+
+class _HarmlessBranch(_RegisteredBranch):
+    """The same read, where what it skips on meta changes nothing eager computes."""
+
+    def reset(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.weight.is_meta:
+            return
+        self.weight.data = self.weight.data.to("cpu")  # a no-op move
+
+
+_WHY = "skips its init on meta, a registered branch"
+
+
+@pytest.fixture
+def registered_branches():
+    from metamode._core import facts
+
+    kept = list(facts._META_BRANCHES)
+
+    def codes() -> list:
+        return [_RegisteredBranch.reset.__code__, _HarmlessBranch.reset.__code__]
+
+    def where(frame) -> bool:
+        return type(frame.f_locals["self"]) is _RegisteredBranch
+
+    facts.register_meta_branch(codes, _WHY, where)
+    try:
+        yield
+    finally:
+        facts._META_BRANCHES[:] = kept
+        facts._KNOWN_FOR[0] = -1
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_registered_branch_refuses_with_its_reason_where_its_condition_holds(
+    registered_branches, include_buffers
+):
+    model = build_empty(_RegisteredBranch, include_buffers)
+    assert_refused(model, "weight", because=_WHY)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_registered_branch_builds_as_eager_where_its_condition_does_not(
+    registered_branches, include_buffers
+):
+    assert_eager_equal(_HarmlessBranch, include_buffers)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_an_unregistered_read_of_the_same_branch_refuses_naming_the_read(include_buffers):
+    model = build_empty(_HarmlessBranch, include_buffers)
+    assert_refused(model, "weight", because=r"_HarmlessBranch.reset read \.is_meta")
