@@ -3,8 +3,10 @@
 Empty-weight helpers elsewhere corrupt exactly these things: class attributes
 of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
 functions, the default dtype and device, torch's global registration hooks,
-and the calling thread's mode stack (seen through the intended changes listed
-in :mod:`metamode._diagnostics.known_changes`). Taking a snapshot before and comparing
+the numeric settings a replay depends on (``torch.set_flush_denormal``, which
+materialize sets around a replay, among them), and the calling thread's mode
+stack (seen through the intended changes listed in
+:mod:`metamode._diagnostics.known_changes`). Taking a snapshot before and comparing
 after is how the test suite proves that metamode leaves nothing behind.
 """
 
@@ -17,6 +19,7 @@ import torch
 from metamode import _torch
 from metamode._core import dtype_windows
 from metamode._core import hooks as _hooks  # noqa: F401  (hooks before any snapshot)
+from metamode._core.recording import settings, thread_state
 from metamode._core.stack import stack_depth
 from metamode._diagnostics import known_changes as _known_changes
 
@@ -40,6 +43,7 @@ class Snapshot:
     device_context: object
     mode_stack_depth: int
     dtype_windows: dict[int, tuple[torch.dtype, ...]]
+    numeric_settings: dict[str, object]
 
     def changes_since(self, before: Snapshot) -> list[str]:
         """Human-readable differences, empty if the process is as it was."""
@@ -74,6 +78,9 @@ class Snapshot:
             )
         if before.dtype_windows != self.dtype_windows:
             changes.append(f"dtype windows {before.dtype_windows} -> {self.dtype_windows}")
+        for name, old_value in before.numeric_settings.items():
+            if self.numeric_settings[name] != old_value:
+                changes.append(f"{name} {old_value!r} -> {self.numeric_settings[name]!r}")
         return changes
 
 
@@ -109,4 +116,8 @@ def snapshot() -> Snapshot:
         ),
         mode_stack_depth=stack_depth(),
         dtype_windows=dtype_windows.state().stacks,
+        numeric_settings={
+            **settings.now()._asdict(),
+            "flush_denormal": thread_state.flushes_denormals(),
+        },
     )

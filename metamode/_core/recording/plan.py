@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metamode._core.recording import settings
+from metamode._core.recording import settings, thread_state
 from metamode._core.recording.program import (
     Call,
     Origin,
@@ -180,6 +180,7 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
     states: dict[DrawKey, str] = {}  # draws after which the generator state is unknown
     default_dtype = torch.get_default_dtype()
     current = settings.now()
+    flushing = thread_state.flushes_denormals()
     for program in result.programs.values():
         for index, storage in enumerate(program.storages):
             if storage.pinned is not None:
@@ -218,6 +219,10 @@ def _refusals(result: Plan, wanted: list[tuple[Program, int]]) -> None:
             if why is not None:
                 states[(serial, step.index, draw.stream)] = why
                 reason = reason or why
+        if reason is None and step.use is Use.VALUES:
+            flushed = call.state is not None and call.state.flush_denormal
+            if flushed != flushing:
+                reason = _flush_reason(flushed)
         if step.use is Use.VALUES:
             for written in (*call.writes, *call.creates):
                 key = (serial, written)
@@ -252,6 +257,17 @@ def _settings_reason(then: settings.ProcessSettings, current: settings.ProcessSe
         f"it was computed from tensor values under process-wide settings that differ now "
         f"({changed}); replay does not change them, which would change other threads' "
         f"results too: set them back around materialize"
+    )
+
+
+def _flush_reason(flushed: bool) -> str:
+    """Why a call the build ran with denormals ``flushed`` (or not) is not replayed in a
+    thread that does the other."""
+    then, now = ("flushed", "keeps") if flushed else ("kept", "flushes")
+    return (
+        f"the build computed it with subnormal floats {then} "
+        f"(torch.set_flush_denormal({flushed})), and this thread {now} them: call "
+        f"torch.set_flush_denormal({flushed}) in it before materialize"
     )
 
 

@@ -16,6 +16,14 @@ but an aten op's positional argument its schemas mark unwritten). Any other key 
 ran under (a dispatch mode, a functorch transform) refuses the call: replay cannot do what
 that code did.
 
+``torch.set_flush_denormal`` is thread state of another kind: the CPU's own flags (MXCSR
+on x86, FPCR on ARM), set for the calling thread and copied into the threads it starts,
+its intra-op workers among them, which keep the flags they started with. torch has no
+getter for it, but Python's float arithmetic runs under the same flags, so multiplying the
+smallest subnormal float by one shows it. A call keeps it with the rest of its state, and
+its value is refused when the materializing thread flushes otherwise: setting the flags
+for a replay would set them for the workers that thread starts during it, for good.
+
 Grad mode changes no value and replay runs under ``torch.no_grad()``; the default dtype
 is process-wide, so a call whose result's dtype it decided keeps it and is refused when
 the process's default differs at materialize time (``Call.default_dtype``).
@@ -42,7 +50,7 @@ from metamode._torch import (
     has_kernel_for,
 )
 
-__all__ = ["ThreadState", "autocast_on_meta", "current", "replaying"]
+__all__ = ["ThreadState", "autocast_on_meta", "current", "flushes_denormals", "replaying"]
 
 # device type -> its autocast dispatch key, for those this torch has
 _AUTOCAST_KEYS: dict[str, Any] = {
@@ -66,12 +74,13 @@ _AUTOCAST_KEYS: dict[str, Any] = {
 @dataclass(frozen=True, slots=True)
 class ThreadState:
     """A thread state other than torch's default: the devices with autocast on, each with
-    its autocast dtype, whether inference mode is on, and why the state cannot be replayed
-    (if so)."""
+    its autocast dtype, whether inference mode is on, whether subnormal floats are flushed
+    to zero, and why the state cannot be replayed (if so)."""
 
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
     refused: str | None = None
     inference: bool = False
+    flush_denormal: bool = False
 
     def __repr__(self) -> str:
         if self.refused:
@@ -79,6 +88,8 @@ class ThreadState:
         on = [f"{device}:{str(dtype).removeprefix('torch.')}" for device, dtype in self.autocast]
         if self.inference:
             on.append("inference mode")
+        if self.flush_denormal:
+            on.append("flush-denormal")
         return f"<{', '.join(on)}>"
 
 
@@ -112,13 +123,23 @@ def _defaults() -> tuple[int, int, int, int]:
     return _DEFAULTS
 
 
+_SUBNORMAL = float.fromhex("0x1p-1074")  # the smallest subnormal float
+_ONE = 1.0
+_FLUSHING = ThreadState(flush_denormal=True)
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread flushes subnormal floats to zero (``torch.set_flush_denormal``)."""
+    return _SUBNORMAL * _ONE == 0.0
+
+
 def current() -> ThreadState | None:
     """The state this thread's next torch call runs under; None for torch's default."""
     include, exclude = dispatch_include_set(), dispatch_exclude_set()
     included = include.raw_repr()
     defaults = _DEFAULTS or _defaults()
     if included == defaults[0] and exclude.raw_repr() == defaults[1]:
-        return None
+        return _FLUSHING if _SUBNORMAL * _ONE == 0.0 else None
     autocast = []
     default_exclude = DispatchKeySet.from_raw_repr(defaults[1])
     for device, key in _AUTOCAST_KEYS.items():
@@ -136,7 +157,7 @@ def current() -> ThreadState | None:
             f"{removed}: a TorchDispatchMode or a functorch transform?), whose effect on "
             f"its result replay cannot reproduce; build outside it"
         )
-    return ThreadState(tuple(autocast), refused, inference)
+    return ThreadState(tuple(autocast), refused, inference, flushes_denormals())
 
 
 def autocast_on_meta(state: ThreadState, func: Any, tensors: list[torch.Tensor]) -> str | None:
@@ -176,9 +197,10 @@ def _autocast_cpu_op(name: str) -> bool:
 
 @contextlib.contextmanager
 def replaying(state: ThreadState | None) -> Iterator[None]:
-    """Run the block under ``state`` (torch's default for None), whatever this thread's.
-    Under a state with inference mode on, torch's inference mode is entered too: it, not
-    the dispatch keys, makes new tensors inference tensors."""
+    """Run the block under ``state`` (torch's default for None), whatever this thread's,
+    but for its flush-denormal flags, which are left alone (the plan refuses a value whose
+    call flushed otherwise). Under a state with inference mode on, torch's inference mode
+    is entered too: it, not the dispatch keys, makes new tensors inference tensors."""
     defaults = _defaults()
     inference = state is not None and state.inference
     include = DispatchKeySet.from_raw_repr(defaults[2] if inference else defaults[0])

@@ -66,6 +66,17 @@ def build_empty(
         return build()
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as bytes where it has floats: ``torch.equal`` on floats calls
+    0.0 and -0.0 equal, and subnormals equal to 0 while the thread flushes denormals."""
+    tensor = tensor.detach()
+    if tensor.layout is not torch.strided or not (
+        tensor.dtype.is_floating_point or tensor.dtype.is_complex
+    ):
+        return tensor
+    return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
 def assert_same_tensors(
     model: nn.Module, ref: nn.Module, names: list[str] | None = None, strides: bool = True
 ) -> None:
@@ -90,7 +101,7 @@ def assert_same_tensors(
             == (expected.is_conj(), expected.is_neg()),
         }
         if checks["shape"] and checks[f"dtype {actual.dtype} != {expected.dtype}"]:
-            checks["values differ from eager"] = torch.equal(actual, expected)
+            checks["values differ from eager"] = torch.equal(_bits(actual), _bits(expected))
         if strides:
             checks[f"strides {actual.stride()} != {expected.stride()}"] = (
                 actual.stride() == expected.stride()
@@ -350,3 +361,14 @@ def deterministic(
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         flags.fill_uninitialized_memory = saved[2]
+
+
+@contextlib.contextmanager
+def flushing(on: bool = True) -> Iterator[None]:
+    """This thread flushes subnormal floats to zero (``on``) inside; off after, whatever
+    happens."""
+    assert torch.set_flush_denormal(on) or not on, "this CPU cannot flush denormals"
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

@@ -45,6 +45,7 @@ from tests.unit.contexts.materialize_checks import (
     deterministic,
     idiom_cases,
     materialize_exactly,
+    tensors,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -681,46 +682,22 @@ def _denormal_grid(m: nn.Module) -> None:
     m.p = nn.Parameter(torch.tensor([1e-39, 1.0]))
 
 
-_FLUSHED = (
-    "silently wrong values: built (eagerly too) under torch.set_flush_denormal(True), "
-    "materialized after it is set back to False, is_materializable says True (factory calls "
-    "record no process settings, and denormal flushing is none of them); "
-)
-
-
-@pytest.mark.parametrize(
-    "include_buffers",
-    [
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=_FLUSHED + "Parameter p = tensor([1e-39, 1.0]) materializes as "
-                "[1e-39, 1.0], eager has [0.0, 1.0] (the buffers stay eager's real ones)",
-            ),
-        ),
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=_FLUSHED + "linspace(0, 1e-39, 4), full((2,), 1e-39) and "
-                "tensor([1e-39, 1.0]) materialize with denormals where eager has zeros",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("include_buffers", MODES)
 def test_factories_built_with_denormals_flushed(include_buffers: bool) -> None:
     """Denormal flushing changes what ``linspace`` / ``full`` / ``tensor`` store: a build made
-    under ``set_flush_denormal(True)`` materializes exactly, or is refused for it, once the
-    setting is off again."""
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
+    under ``set_flush_denormal(True)`` is refused once the setting is off again, and
+    materializes exactly with it on."""
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals"
     try:
         ref = build_eagerly(lambda: Built(_denormal_grid))
         model = build_empty(lambda: Built(_denormal_grid), include_buffers)
     finally:
         torch.set_flush_denormal(False)
-    if metamode.is_materializable(model):
+    assert ref.p[0].item() == 0.0  # eager flushed it
+    meta = [name for name, tensor in tensors(model).items() if tensor.is_meta]
+    assert_refused(model, *meta, because=r"set_flush_denormal\(True\)")
+    assert torch.set_flush_denormal(True)
+    try:
         materialize_exactly(model, ref)
-    else:
-        assert_refused(model, because=r"denormal|flush")
+    finally:
+        torch.set_flush_denormal(False)

@@ -7,6 +7,7 @@ the state it ran in, whatever the caller's, or is refused before anything change
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -16,13 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
     assert_eager_equal,
     assert_exact_or_refused,
     assert_refused,
+    assert_same_tensors,
     build_eagerly,
     build_empty,
+    flushing,
     materialize_exactly,
     tensors,
 )
@@ -579,3 +583,84 @@ def test_inference_tensors_taken_by_calls_under_inference_mode_are_refused(build
     if not include_buffers:
         ref = build_eagerly(lambda: Built(init))
         assert model.b.is_inference() and torch.equal(model.b, ref.b)
+
+
+# -- flush-denormal: the CPU's flags, set per thread -------------------------------------
+
+
+def _subnormal_products(m: nn.Module) -> None:
+    m.register_buffer("product", torch.full((3,), 1e-30) * 1e-10)  # subnormal unless flushed
+    m.w = nn.Parameter(torch.full((2,), 1e-39) + torch.zeros(2))
+
+
+def _flush_switched_in_the_build(m: nn.Module) -> None:
+    with flushing():
+        _subnormal_products(m)
+    m.register_buffer("kept", torch.full((3,), 1e-30) * 1e-10)
+
+
+def _flush_in_the_whole_build(m: nn.Module) -> None:
+    with flushing():
+        _subnormal_products(m)
+        m.scaled = nn.Parameter(torch.randn(4, 4) * 1e-310)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+def test_a_build_flushing_denormals_is_exact_only_where_the_thread_flushes_them(
+    include_buffers,
+):
+    """Materialize never sets the flags (the intra-op workers a thread starts keep the flags
+    it had then): where the thread keeps denormals, the build's values are refused, naming
+    the setting, and nothing changes."""
+    ref = build_eagerly(lambda: _Only(_flush_in_the_whole_build))
+    model = build_empty(lambda: _Only(_flush_in_the_whole_build), include_buffers)
+    assert ref.w.eq(0).all() and ref.product.eq(0).all()  # eager flushed them
+    meta = [name for name, tensor in tensors(model).items() if tensor.is_meta]
+    assert_refused(model, *meta, because=r"flushed \(torch.set_flush_denormal\(True\)\)")
+    with flushing():
+        materialize_exactly(model, ref)
+
+
+class _Only(nn.Module):
+    def __init__(self, init) -> None:
+        super().__init__()
+        init(self)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("at_materialize", [False, True], ids=["kept", "flushed"])
+def test_a_build_that_switched_flush_denormal_refuses_what_the_thread_computes_otherwise(
+    at_materialize, include_buffers
+):
+    ref = build_eagerly(lambda: Built(_flush_switched_in_the_build))
+    model = build_empty(lambda: Built(_flush_switched_in_the_build), include_buffers)
+    assert ref.product.eq(0).all() and ref.kept.ne(0).all()
+    flushed = {"w", "product"}
+    meta = {name for name, tensor in tensors(model).items() if tensor.is_meta}
+    other = meta - flushed if at_materialize else meta & flushed
+    with flushing(at_materialize):
+        assert_refused(model, *sorted(other), because="set_flush_denormal")
+        for name in meta - other:
+            assert metamode.is_materializable(tensors(model)[name]), name
+    assert all(tensors(model)[name].is_meta for name in meta)  # nothing changed
+
+
+def test_a_build_in_a_thread_that_inherited_flush_denormal():
+    """A thread started while its parent flushes denormals flushes them too (the CPU's flags
+    are copied into a new thread): its build is refused where they are kept, and exact
+    where they are flushed."""
+    results: dict[str, nn.Module] = {}
+
+    def build() -> None:
+        results["ref"] = build_eagerly(lambda: Built(_subnormal_products))
+        results["model"] = build_empty(lambda: Built(_subnormal_products), True)
+
+    with flushing():
+        thread = threading.Thread(target=build)
+        thread.start()
+        thread.join()
+    assert results["ref"].product.eq(0).all()
+    assert_refused(results["model"], "product", "w", because="subnormal floats flushed")
+    with flushing():
+        metamode.materialize(results["model"])
+    assert_same_tensors(results["model"], results["ref"])
