@@ -3,8 +3,8 @@
 Empty-weight helpers elsewhere corrupt exactly these things: class attributes
 of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
 functions, the default dtype and device, torch's global registration hooks,
-the numeric settings a replay depends on (``torch.set_flush_denormal``, which
-materialize sets around a replay, among them), and the calling thread's mode
+the numeric settings a replay depends on (float32 matmul precision, intra-op
+threads, mkldnn, this thread's flush-denormal flags), and the calling thread's mode
 stack (seen through the intended changes listed in
 :mod:`metamode._diagnostics.known_changes`). Taking a snapshot before and comparing
 after is how the test suite proves that metamode leaves nothing behind.
