@@ -124,13 +124,12 @@ def _defaults() -> tuple[int, int, int, int]:
 
 
 _SUBNORMAL = float.fromhex("0x1p-1074")  # the smallest subnormal float
-_ONE = 1.0
 _FLUSHING = ThreadState(flush_denormal=True)
 
 
 def flushes_denormals() -> bool:
     """Whether this thread flushes subnormal floats to zero (``torch.set_flush_denormal``)."""
-    return _SUBNORMAL * _ONE == 0.0
+    return _SUBNORMAL * 1.0 == 0.0
 
 
 def current() -> ThreadState | None:
@@ -139,7 +138,7 @@ def current() -> ThreadState | None:
     included = include.raw_repr()
     defaults = _DEFAULTS or _defaults()
     if included == defaults[0] and exclude.raw_repr() == defaults[1]:
-        return _FLUSHING if _SUBNORMAL * _ONE == 0.0 else None
+        return _FLUSHING if flushes_denormals() else None
     autocast = []
     default_exclude = DispatchKeySet.from_raw_repr(defaults[1])
     for device, key in _AUTOCAST_KEYS.items():
