@@ -175,13 +175,15 @@ def measure(
     tiny: bool,
     shim: str | None,
     log_only: bool = False,
+    without: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Build ``model`` once under the cell's context and report what was measured.
 
     With ``shim`` (the compiled shim's path), callgrind's instrumentation is on only
     around the ``with`` block; the caller reads the instruction count from the dump.
     With ``log_only``, the replayable build's recorder only appends each call to a list:
-    the floor of any recorder that sees the same calls.
+    the floor of any recorder that sees the same calls. ``without`` names parts of the
+    recorder (:data:`PARTS`) the measured build runs without, after the warm-up.
     """
     import gc
 
@@ -203,6 +205,7 @@ def measure(
         workloads.build(model, tiny=True)
     del warm
     gc.collect()
+    _knock_out(without)
     torch.manual_seed(0)
     if callgrind:
         callgrind.start()
@@ -247,6 +250,37 @@ def _log_only() -> None:
     recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
 
 
+PARTS = {
+    "markers": "the generator marker work of each draw (state read, marker seed)",
+    "thread-state": "the dispatch-state read of each recorded call",
+    "registrations": "the bookkeeping of each registered parameter and buffer",
+}
+
+
+def _knock_out(parts: Sequence[str]) -> None:
+    """Make this process's recorders skip ``parts`` (names in :data:`PARTS`): the cost of
+    each part is the difference it makes. The builds cannot be materialized."""
+    from metamode._core.recording import recorder, streams, thread_state
+
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown recorder parts {unknown}; known: {sorted(PARTS)}")
+    if "markers" in parts:
+
+        def before_draw(track: Any, _program: Any, last_call: Any, keywords: Any) -> Any:
+            return streams._continue(track.stream, keywords)  # what a continued stream gets
+
+        def mark(track: Any, _program: Any, call: int) -> None:
+            track.marker = call
+
+        recorder.before_draw = before_draw  # type: ignore[assignment]
+        recorder.mark = mark  # type: ignore[assignment]
+    if "thread-state" in parts:
+        thread_state.current = lambda: None
+    if "registrations" in parts:
+        recorder.Recorder.registered = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+
+
 def _child_command(
     model: str,
     include_buffers: bool,
@@ -254,8 +288,12 @@ def _child_command(
     tiny: bool,
     shim: str | None,
     log_only: bool = False,
+    without: Sequence[str] = (),
 ) -> list[str]:
-    arguments = f"{model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r}, {log_only!r}"
+    arguments = (
+        f"{model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r}, {log_only!r}, "
+        f"{tuple(without)!r}"
+    )
     call = f"b.measure({arguments})"
     code = f"import json, metamode.lab.bench_record as b; print({_RESULT!r} + json.dumps({call}))"
     return [sys.executable, "-c", code]
@@ -293,6 +331,7 @@ def _callgrind_run(
     shim: str,
     keep: Path | None,
     log_only: bool = False,
+    without: Sequence[str] = (),
 ) -> int:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
     with tempfile.TemporaryDirectory(prefix="metamode-callgrind-") as scratch:
@@ -302,7 +341,7 @@ def _callgrind_run(
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={out}.%p",
-            *_child_command(model, include_buffers, replayable, tiny, shim, log_only),
+            *_child_command(model, include_buffers, replayable, tiny, shim, log_only, without),
         ]
         done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
         result = _result(done, f"{what} under callgrind")
@@ -319,10 +358,15 @@ def _callgrind_run(
 
 
 def _wall_run(
-    model: str, include_buffers: bool, replayable: bool, tiny: bool, log_only: bool = False
+    model: str,
+    include_buffers: bool,
+    replayable: bool,
+    tiny: bool,
+    log_only: bool = False,
+    without: Sequence[str] = (),
 ) -> float:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
-    command = _child_command(model, include_buffers, replayable, tiny, None, log_only)
+    command = _child_command(model, include_buffers, replayable, tiny, None, log_only, without)
     done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
     return float(_result(done, what)["seconds"])
 
@@ -369,12 +413,30 @@ def _parser() -> argparse.ArgumentParser:
         "of any recorder (its builds cannot be materialized)",
     )
     parser.add_argument(
+        "--without",
+        type=_parts,
+        default=(),
+        metavar="PART[,PART]",
+        help="the replayable column's recorder skips these parts of its work, to show what "
+        f"each costs (its builds cannot be materialized): {', '.join(PARTS)}",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         metavar="DIR",
         help="callgrind mode: copy each cell's callgrind dump into DIR (for callgrind_annotate)",
     )
     return parser
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(
+            f"expected parts of {', '.join(PARTS)} (comma-separated), got {text!r}"
+        )
+    return parts
 
 
 def render(cells: Sequence[Cell], mode: str) -> str:
@@ -425,8 +487,12 @@ def main(argv: list[str]) -> int:
         else:
             mode = "callgrind"
     shape = f"{args.model}{' (tiny)' if args.tiny else ''}"
+    if args.log_only and args.without:
+        parser.error("argument --without: not allowed with --log-only (which skips everything)")
     if args.log_only:
         print("replayable: a recorder that only appends each call to a list (--log-only)")
+    for part in args.without:
+        print(f"replayable: without {PARTS[part]} (--without {part})")
     cells = []
     if mode == "callgrind":
         try:
@@ -440,7 +506,14 @@ def main(argv: list[str]) -> int:
         for include_buffers in modes:
             plain, replayable = (
                 _callgrind_run(
-                    args.model, include_buffers, r, args.tiny, shim, args.keep, args.log_only
+                    args.model,
+                    include_buffers,
+                    r,
+                    args.tiny,
+                    shim,
+                    args.keep,
+                    args.log_only,
+                    args.without if r else (),
                 )
                 for r in (False, True)
             )
@@ -456,8 +529,16 @@ def main(argv: list[str]) -> int:
             runs: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(args.reps):
                 for replayable in (False, True):
+                    without = args.without if replayable else ()
                     runs[replayable].append(
-                        _wall_run(args.model, include_buffers, replayable, args.tiny, args.log_only)
+                        _wall_run(
+                            args.model,
+                            include_buffers,
+                            replayable,
+                            args.tiny,
+                            args.log_only,
+                            without,
+                        )
                     )
             cells.append(Cell(args.model, include_buffers, min(runs[False]), min(runs[True])))
     print(render(cells, mode))

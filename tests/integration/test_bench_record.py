@@ -107,6 +107,62 @@ def test_a_log_only_recorder_logs_every_call_and_records_nothing():
             setattr(recorder.Recorder, name, method)
 
 
+def test_without_names_each_part_the_recorder_skips():
+    done = _bench_record(
+        "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1",
+        "--include-buffers", "false", "--without", "markers,registrations",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[:2] == [
+        "replayable: without the generator marker work of each draw (state read, marker "
+        "seed) (--without markers)",
+        "replayable: without the bookkeeping of each registered parameter and buffer "
+        "(--without registrations)",
+    ]
+    _check_rows(done.stdout, "torch-small", ["params-only"])
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--without", "markers,bogus"], "expected parts of markers, thread-state, registrations"),
+        (["--without", ","], "expected parts of markers, thread-state, registrations"),
+        (["--log-only", "--without", "markers"], "not allowed with --log-only"),
+    ],
+)
+def test_without_refuses_unknown_parts_and_log_only(args, error):
+    done = _bench_record("--mode", "wall", "--model", "torch-small", "--tiny", *args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert error in done.stderr and "Traceback" not in done.stderr
+
+
+def test_each_knocked_out_part_is_skipped_and_the_rest_still_recorded():
+    from metamode._core.recording import thread_state
+
+    saved = (
+        recorder.before_draw,
+        recorder.mark,
+        thread_state.current,
+        vars(recorder.Recorder)["registered"],
+    )
+    try:
+        bench_record._knock_out(("markers", "thread-state", "registrations"))
+        state = torch.get_rng_state()
+        with torch.autocast("cpu"), metamode.empty_weights(replayable=True) as context:
+            torch.nn.Linear(2, 2)
+        program = context._recorder.program
+        assert torch.equal(torch.get_rng_state(), state)  # no marker was set
+        assert not program.markers
+        assert all(call.state is None for call in program.calls)  # autocast not read
+        assert not context._recorder._registered  # no registration kept
+        assert any(call.func is torch.nn.init.kaiming_uniform_ for call in program.calls)
+    finally:
+        recorder.before_draw, recorder.mark, thread_state.current = saved[:3]
+        recorder.Recorder.registered = saved[3]  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="unknown recorder parts"):
+        bench_record._knock_out(("bogus",))
+
+
 def test_without_valgrind_callgrind_mode_refuses_and_auto_says_it_fell_back(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # neither valgrind nor cc
     refused = _bench_record("--mode", "callgrind", "--model", "torch-small", env=env)
