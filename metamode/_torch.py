@@ -128,6 +128,11 @@ mode_at: Callable[[int], TorchFunctionMode] = _get_function_stack_at
 default_torch_function = _disabled_torch_function_impl
 VariableFunctions = _VariableFunctions
 device_constructors = _device_constructors
+# torch builds this table once, from the torch functions of that moment: built while a
+# library has replaced one (transformers' meta_device_safe_creation_ops, torch.linspace),
+# it would hold the replacement for the life of the process, and torch.device(...) and
+# include_buffers=True would no longer place that factory. Build it now, from torch's own.
+_device_constructors()
 make_subclass = torch.Tensor._make_subclass
 UninitializedTensorMixin: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
 OpOverload = torch._ops.OpOverload

@@ -232,12 +232,13 @@ register(Integration("peft", enable_for_peft, disable_for_peft, peft_enabled))
 
 
 def _codes(*sites: tuple[str, str]) -> list[CodeType]:
-    """The code of each ``(module, Class.function)`` of PEFT's that is imported."""
+    """The code of each ``(module, Class.function)`` or ``(module, function)`` of PEFT's
+    that is imported."""
     found = []
     for module_name, qualname in sites:
-        module = sys.modules.get(module_name)
-        owner, _, name = qualname.partition(".")
-        function = getattr(getattr(module, owner, None), name, None)
+        function: Any = sys.modules.get(module_name)
+        for name in qualname.split("."):
+            function = getattr(function, name, None)
         code = getattr(function, "__code__", None)
         if code is not None:
             found.append(code)
@@ -260,6 +261,30 @@ register_meta_branch(
     "PEFT initialises this adapter otherwise when its tensors are on the meta device "
     "(MiCA and KaSA skip their SVD, MonteCLoRA defers its sampler, DeLoRA takes ones for "
     "the base weight's norms): create it with low_cpu_mem_usage=False",
+)
+
+
+def _eva_loading() -> list[CodeType]:
+    """EVA's loader, which makes an adapter again (``update_layer``, drawing its
+    initialisation anew) where it changes the adapter's rank or the adapter is on meta."""
+    return _codes(("peft.tuners.lora.eva", "_load_eva_state_dict"))
+
+
+def _eva_rank_kept(frame: FrameType) -> bool:
+    """Whether EVA keeps the adapter's rank here, so that only the meta device makes it
+    make the adapter again."""
+    names = frame.f_locals
+    if "new_rank" not in names or "r" not in names:
+        return True  # not the code this was written against: refuse
+    return bool(names["new_rank"] == names["r"])
+
+
+register_meta_branch(
+    _eva_loading,
+    "PEFT's EVA makes an adapter on the meta device again (drawing its initialisation anew, "
+    "which shifts every later draw), where eager construction keeps it: call "
+    "initialize_lora_eva_weights after materialize",
+    _eva_rank_kept,
 )
 
 

@@ -4,8 +4,8 @@
 ``no_tie_weights``, whichever exist, the device probe, and holds the default dtype in dtype
 windows (``modeling_utils.local_torch_dtype`` and ``_get_dtype``,
 ``PreTrainedModel._from_config``); sets ``PreTrainedModel.initialize_weights`` to run under a
-thread-scoped guard. 4.x (no ``initialization`` module): rebinds
-``modeling_utils.no_init_weights`` and ``_init_weights``,
+thread-scoped guard, in a window of the default a lone load sees there. 4.x (no
+``initialization`` module): rebinds ``modeling_utils.no_init_weights`` and ``_init_weights``,
 ``integrations.accelerate.init_empty_weights``/``init_on_device``, and sets
 ``PreTrainedModel``'s ``_set_default_dtype``, ``from_pretrained`` and ``_from_config`` to hold
 the dtype as a dtype window. What each stock context does and why these names:
@@ -344,7 +344,14 @@ def _thread_scoped_guard(originals: Mapping[str, Any]) -> dict[str, Any]:
 
     @functools.wraps(raw)
     def initialize_weights(self: Any) -> Any:
-        with torch.no_grad(), GuardLoadedTensors(names, modules):
+        # some models' _init_weights read the default dtype (XGLM's positions): a load
+        # runs this after its construction's window closed, so it gets a window of its own
+        default = dtype_windows.default_for_this_thread()
+        with (
+            dtype_windows.dtype_window(default),
+            torch.no_grad(),
+            GuardLoadedTensors(names, modules),
+        ):
             return raw(self)
 
     return {"initialize_weights": initialize_weights}

@@ -155,9 +155,10 @@ def init_functions() -> dict[str, object]:
 
 
 def differences(model: nn.Module, reference: nn.Module) -> list[str]:
-    """What differs from ``reference``: each tensor's dtype, device and bits, and ties."""
+    """What differs from ``reference``: the dtype, device and bits of each parameter and
+    buffer (a non-persistent one too, which ``state_dict`` leaves out), and ties."""
     found = []
-    mine, theirs = model.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
+    mine, theirs = _tensors(model), _tensors(reference)
     for key, expected in theirs.items():
         got = mine.get(key)
         if got is None:
@@ -169,6 +170,13 @@ def differences(model: nn.Module, reference: nn.Module) -> list[str]:
     ties = [(a, b) for a in theirs for b in theirs if a < b and theirs[a] is theirs[b]]
     found += [f"{a} and {b} not tied" for a, b in ties if mine.get(a) is not mine.get(b)]
     return found
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
 
 
 def _one_round(

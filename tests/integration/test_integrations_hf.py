@@ -520,6 +520,48 @@ def test_enable_reports_every_installed_library(all_shims):
 # -- transformers ----------------------------------------------------------------------
 
 
+_TORCH_DEVICE_TABLE_AFTER_STOCK_LINSPACE = """
+import json, threading, torch
+{imports}
+import transformers.initialization as initialization
+from torch.utils._device import _device_constructors
+
+with initialization.meta_device_safe_creation_ops(), torch.device("meta"):
+    torch.zeros(1)  # the process's first torch.device(...) call, inside stock's patch
+seen = {{}}
+
+def fresh_thread():
+    with torch.device("meta"):
+        seen["linspace"] = torch.linspace(0, 1, 3).device.type
+
+thread = threading.Thread(target=fresh_thread)
+thread.start()
+thread.join()
+seen["in the table"] = torch.linspace in _device_constructors()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.requires_transformers_5
+@pytest.mark.parametrize("metamode_imported", [False, True], ids=["stock", "metamode-imported"])
+def test_a_stock_linspace_patch_cannot_get_into_torchs_device_table(metamode_imported):
+    """torch builds the table of factories ``torch.device(...)`` places once, from the torch
+    functions of that moment: built inside stock transformers' patch of ``torch.linspace``,
+    it holds the patch for good, and ``linspace`` stays on the CPU in every thread (and under
+    ``include_buffers=True``). metamode builds it when first used."""
+    code = _TORCH_DEVICE_TABLE_AFTER_STOCK_LINSPACE.format(
+        imports="import metamode\nmetamode.empty_weights  # its first use loads its core"
+        if metamode_imported
+        else ""
+    )
+    seen = run_python(code)
+    placed = {"linspace": "meta", "in the table": True}
+    if metamode_imported:
+        assert seen == placed
+    else:
+        assert seen == {"linspace": "cpu", "in the table": False}, "stock no longer poisons it"
+
+
 @pytest.mark.requires_transformers_5
 def test_transformers_linspace_context_is_thread_scoped():
     import transformers.initialization as initialization
