@@ -119,7 +119,8 @@ def doctor(repair: bool = False) -> DoctorReport:
 
     Checks that ``torch.nn.Module``'s methods, ``torch.nn.init``'s functions and torch's
     factories (``torch.empty``, ``zeros``, ``full``, ``linspace``...) are torch's own, also
-    where a torch module bound them by name; that the default dtype is ``float32`` (or the
+    where a torch module bound them by name and in torch's table of the factories
+    ``torch.device(...)`` places; that the default dtype is ``float32`` (or the
     dtype of a load's open dtype window), naming the loading paths that most likely left
     it; that no default device is set; that PEFT's ``_init_on_device._skip`` is not left
     set; that no torch-function mode is left on the calling thread's stack; and that
@@ -192,6 +193,7 @@ def _examine() -> tuple[Finding, ...]:
     findings += _check_slots(torch.nn.Module, "torch.nn.Module", module_slots)
     findings += _check_slots(torch.nn.init, "torch.nn.init", init_slots)
     findings += _check_factories(torch, "torch")
+    findings += _check_device_table()
     findings += _check_bound_by_name(init_slots)
     findings += _check_hooks()
     findings += _check_peft_skip()
@@ -286,6 +288,34 @@ def _check_factories(
             )
         )
     return findings
+
+
+_DEVICE_TABLE = "torch.utils._device._device_constructors()"
+
+
+def _check_device_table() -> list[Finding]:
+    """torch builds its table of the factories ``torch.device(...)`` places once, from the
+    torch functions of that moment: built while one was replaced, it holds the replacement."""
+    return [
+        Finding(
+            _DEVICE_TABLE,
+            "holds a replacement where torch's own factory belongs, so torch.device(...), "
+            "torch.set_default_device and include_buffers=True no longer place that factory "
+            "(the table was built while the replacement was in place)",
+            _originals.describe(entry),
+            _repair=_rebuild_device_table,
+        )
+        for entry in sorted(_torch.device_constructors(), key=repr)
+        if not _originals.defined_in_torch(entry)
+    ]
+
+
+def _rebuild_device_table(_: _Recovered) -> str:
+    if any(vars(torch).get(n) is not _originals.builtin_original(n) for n in _factory_names()):
+        raise _CannotRepair("a torch factory is still replaced: rebuilding would keep it")
+    _torch.device_constructors.cache_clear()
+    _torch.device_constructors()
+    return "rebuilt it from torch's own functions"
 
 
 def _set(owner: object, name: str, value: object, action: str) -> str:

@@ -2,11 +2,12 @@
 
 Empty-weight helpers elsewhere corrupt exactly these things: class attributes
 of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
-functions, the default dtype and device, torch's global registration hooks,
-the numeric settings a replay depends on (float32 matmul precision, intra-op
-threads, mkldnn, this thread's flush-denormal flags), and the calling thread's mode
-stack (seen through the intended changes listed in
-:mod:`metamode._diagnostics.known_changes`). Taking a snapshot before and comparing
+functions (and torch's table of those ``torch.device(...)`` places), the default
+dtype and device, torch's global registration hooks, the numeric settings a replay
+depends on (float32 matmul precision, intra-op threads, mkldnn, this thread's
+flush-denormal flags), and the calling thread's mode stack (seen through the
+intended changes listed in :mod:`metamode._diagnostics.known_changes`). Taking a
+snapshot before and comparing
 after is how the test suite proves that metamode leaves nothing behind.
 """
 
@@ -37,6 +38,7 @@ class Snapshot:
     module_attrs: dict[str, int]
     init_functions: dict[str, int]
     factories: dict[str, int]
+    device_table: frozenset[int]  # the factories torch.device(...) places
     tensor_methods: dict[str, int]
     hooks: dict[str, tuple[int, ...]]
     default_dtype: torch.dtype
@@ -64,6 +66,8 @@ class Snapshot:
                         else "removed"
                     )
                     changes.append(f"{label}.{name} {verb}")
+        if before.device_table != self.device_table:
+            changes.append("torch.utils._device._device_constructors() changed")
         for name in before.hooks:
             if before.hooks[name] != self.hooks[name]:
                 changes.append(f"{name} changed")
@@ -107,6 +111,7 @@ def snapshot() -> Snapshot:
         module_attrs=_identities(torch.nn.Module),
         init_functions=_identities(torch.nn.init),
         factories=_identities(torch, FACTORY_NAMES),
+        device_table=frozenset(map(id, _torch.device_constructors())),
         tensor_methods=_identities(torch.Tensor),
         hooks={name: tuple(hooks) for name, hooks in _torch.all_registration_hooks().items()},
         default_dtype=torch.get_default_dtype(),

@@ -288,6 +288,57 @@ def test_replaced_init_function_is_found_and_the_same_object_restored():
         torch.nn.modules.activation.xavier_uniform_ = bound
 
 
+def test_a_device_table_built_while_a_factory_was_replaced_is_found_and_rebuilt():
+    from torch.utils._device import _device_constructors
+
+    original = torch.linspace
+
+    def safe_linspace(*args, **kwargs):  # as transformers' meta_device_safe_creation_ops
+        return original(*args, **kwargs)
+
+    torch.linspace = safe_linspace
+    _device_constructors.cache_clear()
+    _device_constructors()  # built now, it holds safe_linspace
+    torch.linspace = original
+    try:
+        with torch.device("meta"):
+            assert torch.linspace(0, 1, 3).device.type == "cpu"  # what the finding is about
+        report = metamode.doctor()
+        [finding] = report.findings
+        assert finding.target == "torch.utils._device._device_constructors()"
+        assert "safe_linspace" in finding.culprit
+        repaired = metamode.doctor(repair=True)
+        assert repaired.findings[0].repaired and repaired.remaining == ()
+        with torch.device("meta"):
+            assert torch.linspace(0, 1, 3).device.type == "meta"
+    finally:
+        torch.linspace = original
+        _device_constructors.cache_clear()
+        _device_constructors()
+
+
+def test_the_device_table_is_not_rebuilt_while_its_factory_is_still_replaced():
+    from torch.utils._device import _device_constructors
+
+    original = torch.linspace
+
+    def safe_linspace(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    torch.linspace = safe_linspace
+    _device_constructors.cache_clear()
+    _device_constructors()
+    try:
+        rebuilt = _doctor._rebuild_device_table
+        with pytest.raises(_doctor._CannotRepair, match="still replaced"):
+            rebuilt(None)  # type: ignore[arg-type]
+        assert safe_linspace in _device_constructors()
+    finally:
+        torch.linspace = original
+        _device_constructors.cache_clear()
+        _device_constructors()
+
+
 def test_mode_left_on_this_thread_is_reported_and_removed():
     leftover = metamode.empty_weights()
     leftover.__enter__()

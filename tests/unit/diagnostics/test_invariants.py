@@ -63,6 +63,25 @@ def test_guard_reports_a_replaced_tensor_method():
     assert snapshot().changes_since(before) == []
 
 
+def test_guard_reports_a_device_table_rebuilt_with_a_replaced_factory():
+    from torch.utils._device import _device_constructors
+
+    before = snapshot()
+    original = torch.linspace
+    torch.linspace = lambda *args, **kwargs: original(*args, **kwargs)
+    try:
+        _device_constructors.cache_clear()
+        _device_constructors()
+        torch.linspace = original
+        changes = snapshot().changes_since(before)
+    finally:
+        torch.linspace = original
+        _device_constructors.cache_clear()
+        _device_constructors()
+    assert changes == ["torch.utils._device._device_constructors() changed"], changes
+    assert snapshot().changes_since(before) == []
+
+
 @pytest.mark.parametrize("kind", ["parameter", "buffer", "module"])
 def test_guard_reports_an_added_global_hook(kind):
     from torch.nn.modules import module as torch_module
