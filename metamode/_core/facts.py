@@ -485,6 +485,13 @@ def _factories() -> frozenset[Any]:
     return frozenset(device_constructors())
 
 
+def relearn_factories() -> None:
+    """torch's table of the factories ``torch.device(...)`` places was rebuilt (a repair):
+    what was learned from it is learned again."""
+    _factories.cache_clear()
+    _FACTS.clear()
+
+
 def _aten_overloads(name: str) -> list[Any]:
     """torch's aten ops bound under ``name`` (a C binding's name is its op's name)."""
     packet = getattr(torch.ops.aten, name, None) if name and name.isidentifier() else None

@@ -18,6 +18,7 @@ from torch.nn.modules import module as _torch_module
 
 from metamode import _torch
 from metamode._core import dtype_windows
+from metamode._core import facts as _facts
 from metamode._core import hooks as _hooks
 from metamode._core import stack as _stack
 from metamode._diagnostics import known_changes as _known_changes
@@ -311,10 +312,14 @@ def _check_device_table() -> list[Finding]:
 
 
 def _rebuild_device_table(_: _Recovered) -> str:
-    if any(vars(torch).get(n) is not _originals.builtin_original(n) for n in _factory_names()):
-        raise _CannotRepair("a torch factory is still replaced: rebuilding would keep it")
     _torch.device_constructors.cache_clear()
     _torch.device_constructors()
+    _facts.relearn_factories()
+    if _check_device_table():
+        raise _CannotRepair(
+            "rebuilt it, but a factory it is built from is still replaced: repair that "
+            "factory, then the table"
+        )
     return "rebuilt it from torch's own functions"
 
 

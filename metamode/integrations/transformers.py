@@ -3,8 +3,8 @@
 5.x: rebinds ``transformers.initialization.meta_device_safe_creation_ops`` and
 ``no_tie_weights``, whichever exist, the device probe, and holds the default dtype in dtype
 windows (``modeling_utils.local_torch_dtype`` and ``_get_dtype``,
-``PreTrainedModel._from_config``); sets ``PreTrainedModel.initialize_weights`` to run under a
-thread-scoped guard, in a window of the default a lone load sees there. 4.x (no
+``PreTrainedModel._from_config``, and ``_initialize_missing_keys``, which a load runs after its
+build); sets ``PreTrainedModel.initialize_weights`` to run under a thread-scoped guard. 4.x (no
 ``initialization`` module): rebinds ``modeling_utils.no_init_weights`` and ``_init_weights``,
 ``integrations.accelerate.init_empty_weights``/``init_on_device``, and sets
 ``PreTrainedModel``'s ``_set_default_dtype``, ``from_pretrained`` and ``_from_config`` to hold
@@ -344,17 +344,41 @@ def _thread_scoped_guard(originals: Mapping[str, Any]) -> dict[str, Any]:
 
     @functools.wraps(raw)
     def initialize_weights(self: Any) -> Any:
-        # some models' _init_weights read the default dtype (XGLM's positions): a load
-        # runs this after its construction's window closed, so it gets a window of its own
-        default = dtype_windows.default_for_this_thread()
-        with (
-            dtype_windows.dtype_window(default),
-            torch.no_grad(),
-            GuardLoadedTensors(names, modules),
-        ):
+        with torch.no_grad(), GuardLoadedTensors(names, modules):
             return raw(self)
 
     return {"initialize_weights": initialize_weights}
+
+
+def _initialization_in_a_window(originals: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 ``PreTrainedModel._initialize_missing_keys``: ``from_pretrained``
+    initialises what the checkpoint lacks after its build's window closed, where a lone load
+    sees the default restored (XGLM's, M2M100's and NLLB-MoE's ``_init_weights`` read it), so
+    it runs in a window of that default."""
+    method = originals["_initialize_missing_keys"]
+    if not isinstance(method, FunctionType):
+        raise IncompatibleLibraryError(
+            f"transformers {_TRANSFORMERS._version()}: PreTrainedModel._initialize_missing_keys "
+            f"is not a plain method, so metamode cannot hold its dtype as a window; nothing was "
+            f"changed. Please report this with the version."
+        )
+
+    @functools.wraps(method)
+    def _initialize_missing_keys(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with dtype_windows.dtype_window(dtype_windows.default_for_this_thread()):
+            return method(self, *args, **kwargs)
+
+    return {"_initialize_missing_keys": _initialize_missing_keys}
+
+
+_TRANSFORMERS_INITIALIZATION = ClassAttributeRebinding(
+    package="transformers",
+    extra="transformers",
+    home_module=_MODELING_UTILS,
+    class_name="PreTrainedModel",
+    names=("_initialize_missing_keys",),
+    make_replacements=_initialization_in_a_window,
+)
 
 
 _TRANSFORMERS_GUARD = ClassAttributeRebinding(
@@ -365,6 +389,11 @@ _TRANSFORMERS_GUARD = ClassAttributeRebinding(
     names=("initialize_weights",),
     make_replacements=_thread_scoped_guard,
 )
+
+
+def _initializes_after_the_build() -> bool:
+    modeling_utils = importlib.import_module(_MODELING_UTILS)
+    return "_initialize_missing_keys" in vars(modeling_utils.PreTrainedModel)
 
 
 def _guards_torch_init() -> bool:
@@ -584,9 +613,12 @@ def enable_for_transformers() -> tuple[str, ...]:
                 done.append(rebinding)
             if _TRANSFORMERS_DTYPE in rebindings:
                 bound += _TRANSFORMERS_FROM_CONFIG.enable()
+                if _initializes_after_the_build():
+                    bound += _TRANSFORMERS_INITIALIZATION.enable()
             if _guards_torch_init():
                 bound += _TRANSFORMERS_GUARD.enable()
         except BaseException:
+            _TRANSFORMERS_INITIALIZATION.disable()
             _TRANSFORMERS_FROM_CONFIG.disable()
             for rebinding in reversed(done):
                 rebinding.disable()
@@ -601,7 +633,13 @@ def disable_for_transformers() -> tuple[str, ...]:
     """
     with _LOCK:
         restored = [
-            r.disable() for r in (*_REBINDINGS_5, _TRANSFORMERS_FROM_CONFIG, _TRANSFORMERS_GUARD)
+            r.disable()
+            for r in (
+                *_REBINDINGS_5,
+                _TRANSFORMERS_FROM_CONFIG,
+                _TRANSFORMERS_INITIALIZATION,
+                _TRANSFORMERS_GUARD,
+            )
         ]
         return tuple(sorted((*(b for r in restored for b in r), *_disable_4())))
 
@@ -611,6 +649,7 @@ def transformers_enabled() -> bool:
         any(r.enabled for r in _REBINDINGS_5)
         or _TRANSFORMERS_GUARD.enabled
         or _TRANSFORMERS_FROM_CONFIG.enabled
+        or _TRANSFORMERS_INITIALIZATION.enabled
         or _TRANSFORMERS_4.enabled
     )
 

@@ -574,6 +574,7 @@ def test_transformers_linspace_context_is_thread_scoped():
             "transformers.initialization.meta_device_safe_creation_ops",
             "transformers.initialization.no_tie_weights",
             "transformers.modeling_utils.PreTrainedModel._from_config",
+            "transformers.modeling_utils.PreTrainedModel._initialize_missing_keys",
             "transformers.modeling_utils.PreTrainedModel.initialize_weights",
             "transformers.modeling_utils._get_dtype",
             "transformers.modeling_utils.get_torch_context_manager_or_global_device",

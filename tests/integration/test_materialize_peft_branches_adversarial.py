@@ -452,8 +452,9 @@ def _merged(dtype: torch.dtype | None) -> nn.Module:
     strict=True,
     raises=AssertionError,
     reason="refused: LoRA's get_delta_weight computes cast_to_fp32 = device.type == 'cpu' and "
-    "dtype in (float16, bfloat16); the device comparison is refused although the dtype test "
-    "makes it False on the CPU too, and the replay equals eager construction",
+    "dtype in (float16, bfloat16), False for a float32 adapter on every device; but the follow "
+    "judges the comparison when .device is read, before the next line assigns dtype, so the "
+    "other operand is not known there and the comparison with 'cpu' is refused",
 )
 def test_merge_and_unload_of_a_float32_adapter_is_exact():
     materialize_exactly(*in_one_block(lambda: _merged(None)))

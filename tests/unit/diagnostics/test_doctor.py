@@ -330,7 +330,7 @@ def test_the_device_table_is_not_rebuilt_while_its_factory_is_still_replaced():
     _device_constructors()
     try:
         rebuilt = _doctor._rebuild_device_table
-        with pytest.raises(_doctor._CannotRepair, match="still replaced"):
+        with pytest.raises(_doctor._CannotRepair, match="is still replaced"):
             rebuilt(None)  # type: ignore[arg-type]
         assert safe_linspace in _device_constructors()
     finally:
