@@ -451,3 +451,24 @@ def test_an_initialize_weights_without_the_guard_decorator_is_refused(monkeypatc
 @pytest.mark.requires_transformers_4
 def test_a_from_pretrained_without_restore_default_dtype_is_refused(monkeypatch):
     _refused_with_nothing_changed(monkeypatch, "from_pretrained")
+
+
+def test_differences_sees_non_persistent_buffers_and_their_ties():
+    """What a race compares: a buffer ``state_dict`` leaves out (rotary ``inv_freq``, XGLM's
+    positions) counts too."""
+
+    def model(positions: torch.Tensor) -> nn.Module:
+        module = nn.Linear(2, 2)
+        module.register_buffer("positions", positions, persistent=False)
+        return module
+
+    torch.manual_seed(0)
+    reference = model(torch.arange(3.0))
+    same = model(torch.arange(3.0))
+    same.load_state_dict(reference.state_dict())
+    assert dtype_loads.differences(same, reference) == []
+    rounded = model(torch.arange(3.0).half())
+    rounded.load_state_dict(reference.state_dict())
+    assert dtype_loads.differences(rounded, reference) == [
+        "positions is torch.float16 on cpu, expected torch.float32"
+    ]
