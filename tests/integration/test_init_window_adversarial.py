@@ -35,12 +35,18 @@ import metamode
 from metamode import _torch
 from metamode._core import dtype_windows
 from metamode.integrations import _registry
+from metamode.lab import dtype_loads
 from metamode.lab.threads import WAIT_S, wait
 from tests.conftest import REPO, run_python
+from tests.integration.test_dtype_loads_server_idioms import (
+    _LEFT_CLEAN,
+    _left,
+    _notify_windows,
+    _tensors,
+    _until,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"), pytest.mark.per_interpreter]
-
-_NO_WINDOWS = dtype_windows.WindowState(baseline=None)
 
 
 def _xglm_config() -> Any:
@@ -89,17 +95,6 @@ def _build_gates() -> Iterator[None]:
         _GATES.clear()
 
 
-def _notify() -> None:
-    """Wake whoever waits in ``dtype_windows.wait_until`` to re-check its predicate."""
-    with dtype_windows._condition:
-        dtype_windows._condition.notify_all()
-
-
-def _until(predicate: Callable[[dtype_windows.WindowState], bool], what: str) -> None:
-    if not dtype_windows.wait_until(predicate, WAIT_S):
-        raise TimeoutError(f"deadlocked waiting for {what}")
-
-
 class _Call:
     """``call`` in a daemon thread, with gates by phase; what it returned or raised."""
 
@@ -119,7 +114,7 @@ class _Call:
         self.ident = threading.get_ident()
         for phase, callback in self.gates.items():
             _GATES[(phase, self.ident)] = functools.partial(self._at, phase, callback)
-        _notify()
+        _notify_windows()
         try:
             self.result = self.call()
         except BaseException as error:
@@ -128,11 +123,11 @@ class _Call:
             for phase in self.gates:
                 _GATES.pop((phase, self.ident), None)
             self.done.set()
-            _notify()
+            _notify_windows()
 
     def _at(self, phase: str, callback: Callable[[], None]) -> None:
         self.reached[phase].set()
-        _notify()
+        _notify_windows()
         callback()
 
     def parked(self, state: dtype_windows.WindowState) -> bool:
@@ -150,13 +145,6 @@ class _Call:
 
 
 # -- what a model and the process are left with ---------------------------------------------
-
-
-def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        **dict(module.named_parameters(remove_duplicate=False)),
-        **dict(module.named_buffers(remove_duplicate=False)),
-    }
 
 
 def _differences(got: Any, expected: Any, buffers_only: bool = False) -> list[str]:
@@ -180,36 +168,6 @@ def _differences(got: Any, expected: Any, buffers_only: bool = False) -> list[st
 
 def _error(result: Any) -> str | None:
     return f"{type(result).__name__}: {result}"[:200] if isinstance(result, BaseException) else None
-
-
-def _fresh_thread_default() -> str:
-    seen: list[str] = []
-    thread = threading.Thread(target=lambda: seen.append(str(torch.get_default_dtype())))
-    thread.start()
-    thread.join(WAIT_S)
-    return seen[0]
-
-
-def _init_functions() -> dict[str, object]:
-    return {k: v for k, v in vars(torch.nn.init).items() if callable(v)}
-
-
-def _left(init_functions: dict[str, object]) -> dict[str, Any]:
-    now = _init_functions()
-    return {
-        "default_dtype": str(torch.get_default_dtype()),
-        "default_dtype_in_a_fresh_thread": _fresh_thread_default(),
-        "init_functions_replaced": sorted(k for k, v in init_functions.items() if now[k] is not v),
-        "windows_left_open": dtype_windows.state() != _NO_WINDOWS,
-    }
-
-
-_LEFT_CLEAN = {
-    "default_dtype": "torch.float32",
-    "default_dtype_in_a_fresh_thread": "torch.float32",
-    "init_functions_replaced": [],
-    "windows_left_open": False,
-}
 
 
 # -- models and checkpoints ------------------------------------------------------------------
@@ -337,7 +295,7 @@ def worker_joined_inside_a_load(paths: dict[str, str], work: str) -> dict[str, A
     """A loads the diffusers ``Joiner`` in float16; its constructor (inside the window) starts
     W, running ``work``, and waits for W as a join does: until W is done. If W parks on a
     dtype window instead (there a join never returns), A records it and goes on."""
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     w = _Call(_works(paths)[work])
     seen: dict[str, Any] = {}
 
@@ -449,7 +407,7 @@ def init_beside_a_float16_build(paths: dict[str, str], idiom: str) -> dict[str, 
     first = _after_the_build(paths, idiom)
     second = _xglm(paths["xglm"], dtype=torch.float16)
     alone = [first(), second()]
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     b = _Call(
         second, build=lambda: _until(lambda s: a.done.is_set() or a.parked(s), "A done or parked")
     )
@@ -503,7 +461,7 @@ def same_dtype_phases(paths: dict[str, str], dtype: torch.dtype) -> dict[str, An
     as soon as they are seen; each model against a lone load."""
     load = _xglm(paths["xglm"], dtype=dtype)
     alone = load()
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     seen: dict[str, Any] = {}
 
     def a_done_or_parked(a: Callable[[], _Call]) -> Callable[[], None]:
@@ -564,7 +522,7 @@ def transformers_load_beside_a_diffusers_load(paths: dict[str, str]) -> dict[str
     until B is done or parked: the dtype B is parked for, if any. Then A goes on."""
     second = _xglm(paths["xglm"], dtype=torch.float16)
     alone = second()
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     b = _Call(second)
     seen: dict[str, Any] = {}
 
@@ -613,7 +571,7 @@ def toggle_around_an_init_window(paths: dict[str, str], toggle: str) -> dict[str
     second = _xglm(paths["xglm"], dtype=torch.float16)
     with metamode.enabled():
         alone = [first(), second()]
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     release_a, release_b = threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
     metamode.enable()
@@ -677,7 +635,7 @@ def test_toggling_the_shims_around_an_init_window(saved, toggle, seen):
 def test_an_init_that_raises_closes_its_window(saved, all_shims):
     """``_init_weights`` raising inside the init window of a float16 load, in a diffusers
     float16 window: the error reaches the caller, every window is closed, the default back."""
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
 
     def boom() -> None:
         raise RuntimeError("init failed")
@@ -715,7 +673,7 @@ def test_models_built_inside_a_diffusers_load_are_stocks(saved, low_cpu_mem_usag
         )
 
     stock = load()
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     with metamode.enabled():
         shimmed = load()
     assert _differences(shimmed, stock) == []
@@ -760,7 +718,7 @@ def test_init_run_by_user_code_is_stocks(idiom):
         stock = XGLMForCausalLM(_xglm_config())
     else:
         stock = _user_init(idiom)
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     with metamode.enabled():
         shimmed = _user_init(idiom)
     assert _differences(shimmed, stock) == []
@@ -793,7 +751,7 @@ def test_barrier_rounds_of_loads_and_inits_in_four_dtypes(saved, all_shims):
         ),
     }
     alone = {name: call() for name, (call, _) in idioms.items()}
-    init_functions = _init_functions()
+    init_functions = dtype_loads.init_functions()
     wrong: list[str] = []
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

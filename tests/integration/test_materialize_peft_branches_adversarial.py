@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import metamode
+from tests.integration.test_materialize_peft import Base
 from tests.unit.contexts.materialize_checks import (
     assert_refused,
     build_eagerly,
@@ -53,17 +54,6 @@ MICA = "MiCA and KaSA skip their SVD"
 FILE = r"read from a file|memory torch does not own"
 CPU_CHECK = r"get_delta_weight read \.device .* compared it with 'cpu'"
 AFTER = "replaced after the block"
-
-
-class Base(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(16, 16)
-        self.v = nn.Linear(16, 16)
-        self.o = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o(self.q(x) + self.v(x))
 
 
 class Layers(nn.Module):
