@@ -7,8 +7,8 @@ dtype and device, torch's global registration hooks, the numeric settings a repl
 depends on (float32 matmul precision, intra-op threads, mkldnn, this thread's
 flush-denormal flags), and the calling thread's mode stack (seen through the
 intended changes listed in :mod:`metamode._diagnostics.known_changes`). Taking a
-snapshot before and comparing
-after is how the test suite proves that metamode leaves nothing behind.
+snapshot before and comparing after is how the test suite proves that metamode leaves
+nothing behind.
 """
 
 from __future__ import annotations

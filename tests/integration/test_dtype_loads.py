@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
@@ -31,15 +31,6 @@ TRANSFORMERS_MAJOR = int(__import__("transformers").__version__.split(".")[0])
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, str]:
     return dtype_loads.save_models(str(tmp_path_factory.mktemp("dtype-loads")))
-
-
-@pytest.fixture
-def all_shims() -> Iterator[None]:
-    metamode.enable()
-    try:
-        yield
-    finally:
-        _registry.disable()
 
 
 def _notify_windows() -> None:

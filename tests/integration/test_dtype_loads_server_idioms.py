@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -234,15 +234,6 @@ def save_checkpoints(directory: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, str]:
     return save_checkpoints(str(tmp_path_factory.mktemp("server-idioms")))
-
-
-@pytest.fixture
-def all_shims() -> Iterator[None]:
-    metamode.enable()
-    try:
-        yield
-    finally:
-        _registry.disable()
 
 
 # -- the loads -------------------------------------------------------------------------------
