@@ -174,15 +174,17 @@ def measure(
     replayable: bool,
     tiny: bool,
     shim: str | None,
-    log_only: bool = False,
+    floor: str | None = None,
     without: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Build ``model`` once under the cell's context and report what was measured.
 
     With ``shim`` (the compiled shim's path), callgrind's instrumentation is on only
     around the ``with`` block; the caller reads the instruction count from the dump.
-    With ``log_only``, the replayable build's recorder only appends each call to a list:
-    the floor of any recorder that sees the same calls. ``without`` names parts of the
+    ``floor`` names a reduced recorder (:data:`FLOORS`) the replayable builds use instead
+    of the whole one: ``"log-only"`` only appends each call to a list, the floor of any
+    recorder that sees the same calls; ``"call-time"`` does only what a recorder that
+    analyses later must do when each call happens. ``without`` names parts of the
     recorder (:data:`PARTS`) the measured build runs without, after the warm-up.
     """
     import gc
@@ -195,11 +197,11 @@ def measure(
     callgrind = _Callgrind(shim) if shim else None
     torch.set_num_threads(1)
     workloads.build(model, tiny=True)  # warm-up: lazy imports, first kernels
-    if log_only:
-        _log_only()
+    if floor is not None:
+        FLOORS[floor][0]()
     with metamode.empty_weights(replayable=True):  # metamode's first use imports its
         warm = workloads.build(model, tiny=True)  # integrations
-    if not log_only:
+    if floor is None:
         metamode.materialize(warm)
     with metamode.empty_weights(include_buffers=include_buffers, replayable=replayable):
         workloads.build(model, tiny=True)
@@ -250,6 +252,99 @@ def _log_only() -> None:
     recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
 
 
+def _call_time_only() -> None:
+    """Make this process's recorders do, for each call and registration, only what a
+    recorder that analyses its log later (at materialize) must still do when it happens,
+    and append the rest to a list: the skip and placement decisions; each tensor
+    argument's version, storage and geometry before the call and its version after;
+    the thread's dispatch state and, for a call that computes from tensors, the process
+    settings; a read of metadata that is meta, with its frame; a skipped draw's
+    generator state read and marker. Nothing is analysed, so nothing can be
+    materialized."""
+    import torch
+
+    from metamode._core.facts import _FACTS, fact_of
+    from metamode._core.recording import recorder, settings, thread_state
+    from metamode._core.recording.streams import DRAWING, mark
+
+    def seen(tensor: torch.Tensor) -> tuple:
+        storage = tensor.untyped_storage()._cdata
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset())
+        return tensor._version, storage, geometry
+
+    def marked(self: Any, draws: list) -> None:
+        for track, _ in draws:
+            if track is not None:
+                mark(track, self.program, len(self.log))
+
+    def record(
+        self: Any,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        runner: Any,
+        fact: Any = None,
+        flights: Any = None,
+    ) -> Any:
+        log = self.__dict__.setdefault("log", [])
+        fact = fact or _FACTS.get(func) or fact_of(func)
+        if fact.query:
+            result = func(*args, **kwargs)
+            if (
+                (fact.is_meta and result is True)
+                or (fact.device and result.type == "meta")
+                or (fact.placement and not fact.is_meta and args[0].is_meta)
+            ):
+                frame = sys._getframe(1)
+                log.append((func, args[0], result, frame, frame.f_lasti))
+            return result
+        state = thread_state.current()
+        target = runner.skips(func, args, kwargs)
+        if target is not None:
+            if fact.random:
+                with DRAWING:
+                    marked(self, self._begin_draws(fact, [], [target], kwargs))
+            log.append((func, args, kwargs, target, state, seen(target)))
+            return target
+        tensors: list[torch.Tensor] = []
+        generators: list[Any] = []
+        recorder._scan(args, tensors, generators)
+        if kwargs:
+            recorder._scan(tuple(kwargs.values()), tensors, generators)
+        before = [seen(t) for t in tensors]
+        draws = []
+        if fact.random:
+            with DRAWING:
+                draws = self._begin_draws(fact, generators, tensors, kwargs)
+        result, _ = runner.placed_call(func, args, kwargs)
+        after = [t._version for t in tensors]
+        if draws:
+            with DRAWING:
+                marked(self, draws)
+        process = settings.now() if tensors else None
+        log.append((func, args, kwargs, result, state, process, before, after))
+        return result
+
+    def registered(self: Any, original: Any, placed: Any, module: Any = None, name: Any = None):
+        self.__dict__.setdefault("log", []).append((original, placed, module, name, seen(original)))
+
+    recorder.Recorder.record = record  # type: ignore[method-assign]
+    recorder.Recorder.registered = registered  # type: ignore[method-assign]
+    recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
+
+
+# recorders the replayable column can be reduced to (their builds cannot be materialized):
+# name -> (what installs it, what the table's header line says)
+FLOORS = {
+    "log-only": (_log_only, "a recorder that only appends each call to a list (--log-only)"),
+    "call-time": (
+        _call_time_only,
+        "a recorder that reads at call time only what a later analysis could not, and "
+        "analyses nothing (--call-time-only)",
+    ),
+}
+
+
 PARTS = {
     "markers": "the generator marker work of each draw (state read, marker seed)",
     "thread-state": "the dispatch-state read of each recorded call",
@@ -287,11 +382,11 @@ def _child_command(
     replayable: bool,
     tiny: bool,
     shim: str | None,
-    log_only: bool = False,
+    floor: str | None = None,
     without: Sequence[str] = (),
 ) -> list[str]:
     arguments = (
-        f"{model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r}, {log_only!r}, "
+        f"{model!r}, {include_buffers!r}, {replayable!r}, {tiny!r}, {shim!r}, {floor!r}, "
         f"{tuple(without)!r}"
     )
     call = f"b.measure({arguments})"
@@ -330,7 +425,7 @@ def _callgrind_run(
     tiny: bool,
     shim: str,
     keep: Path | None,
-    log_only: bool = False,
+    floor: str | None = None,
     without: Sequence[str] = (),
 ) -> int:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
@@ -341,7 +436,7 @@ def _callgrind_run(
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={out}.%p",
-            *_child_command(model, include_buffers, replayable, tiny, shim, log_only, without),
+            *_child_command(model, include_buffers, replayable, tiny, shim, floor, without),
         ]
         done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
         result = _result(done, f"{what} under callgrind")
@@ -362,11 +457,11 @@ def _wall_run(
     include_buffers: bool,
     replayable: bool,
     tiny: bool,
-    log_only: bool = False,
+    floor: str | None = None,
     without: Sequence[str] = (),
 ) -> float:
     what = f"{model} {_MODES[include_buffers]} {'replayable' if replayable else 'plain'}"
-    command = _child_command(model, include_buffers, replayable, tiny, None, log_only, without)
+    command = _child_command(model, include_buffers, replayable, tiny, None, floor, without)
     done = subprocess.run(command, capture_output=True, text=True, env=_child_env())
     return float(_result(done, what)["seconds"])
 
@@ -406,11 +501,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--reps", type=int, default=5, help="wall mode: runs per cell, best kept")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (a smoke test)")
-    parser.add_argument(
+    floors = parser.add_mutually_exclusive_group()
+    floors.add_argument(
         "--log-only",
-        action="store_true",
+        dest="floor",
+        action="store_const",
+        const="log-only",
         help="the replayable column's recorder only appends each call to a list: the floor "
         "of any recorder (its builds cannot be materialized)",
+    )
+    floors.add_argument(
+        "--call-time-only",
+        dest="floor",
+        action="store_const",
+        const="call-time",
+        help="the replayable column's recorder does only what a recorder that analyses "
+        "each call later must read when the call happens (versions, storages and geometry "
+        "of its tensors, the thread's dispatch state, a skipped draw's marker) and "
+        "analyses nothing: the floor of such a recorder (its builds cannot be materialized)",
     )
     parser.add_argument(
         "--without",
@@ -487,10 +595,11 @@ def main(argv: list[str]) -> int:
         else:
             mode = "callgrind"
     shape = f"{args.model}{' (tiny)' if args.tiny else ''}"
-    if args.log_only and args.without:
-        parser.error("argument --without: not allowed with --log-only (which skips everything)")
-    if args.log_only:
-        print("replayable: a recorder that only appends each call to a list (--log-only)")
+    if args.floor and args.without:
+        option = "--log-only" if args.floor == "log-only" else "--call-time-only"
+        parser.error(f"argument --without: not allowed with {option} (which has no such parts)")
+    if args.floor:
+        print(f"replayable: {FLOORS[args.floor][1]}")
     for part in args.without:
         print(f"replayable: without {PARTS[part]} (--without {part})")
     cells = []
@@ -512,7 +621,7 @@ def main(argv: list[str]) -> int:
                     args.tiny,
                     shim,
                     args.keep,
-                    args.log_only,
+                    args.floor,
                     args.without if r else (),
                 )
                 for r in (False, True)
@@ -536,7 +645,7 @@ def main(argv: list[str]) -> int:
                             include_buffers,
                             replayable,
                             args.tiny,
-                            args.log_only,
+                            args.floor,
                             without,
                         )
                     )

@@ -107,6 +107,38 @@ def test_a_log_only_recorder_logs_every_call_and_records_nothing():
             setattr(recorder.Recorder, name, method)
 
 
+def test_call_time_only_swaps_the_recorder_for_one_that_analyses_nothing():
+    done = _bench_record(
+        "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1", "--call-time-only"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == (
+        "replayable: a recorder that reads at call time only what a later analysis could "
+        "not, and analyses nothing (--call-time-only)"
+    )
+    _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+
+
+def test_a_call_time_recorder_reads_what_cannot_wait_and_records_nothing():
+    saved = {name: vars(recorder.Recorder)[name] for name in ("record", "registered", "close")}
+    try:
+        bench_record._call_time_only()
+        torch.manual_seed(7)
+        with torch.autocast("cpu"), metamode.empty_weights(replayable=True) as context:
+            linear = torch.nn.Linear(2, 2)
+        assert torch.initial_seed() != 7  # each skipped draw set its marker
+        log = context._recorder.log
+        draw = next(call for call in log if call[0] is torch.nn.init.kaiming_uniform_)
+        assert draw[4] is not None and draw[4].autocast  # the thread state, read then
+        assert draw[5][0] == 0 and draw[5][2][0] == (2, 2)  # version, storage, geometry
+        registrations = [entry for entry in log if entry[2] is linear]
+        assert [entry[3] for entry in registrations] == ["weight", "bias"]
+        assert not context._recorder.program.calls
+    finally:
+        for name, method in saved.items():
+            setattr(recorder.Recorder, name, method)
+
+
 def test_without_names_each_part_the_recorder_skips():
     done = _bench_record(
         "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1",
@@ -128,6 +160,8 @@ def test_without_names_each_part_the_recorder_skips():
         (["--without", "markers,bogus"], "expected parts of markers, thread-state, registrations"),
         (["--without", ","], "expected parts of markers, thread-state, registrations"),
         (["--log-only", "--without", "markers"], "not allowed with --log-only"),
+        (["--call-time-only", "--without", "markers"], "not allowed with --call-time-only"),
+        (["--log-only", "--call-time-only"], "not allowed with argument --log-only"),
     ],
 )
 def test_without_refuses_unknown_parts_and_log_only(args, error):
