@@ -133,6 +133,7 @@ def doctor(repair: bool = False) -> DoctorReport:
 
     Args:
         repair: restore torch's originals (functions, default dtype/device),
+            rebuild torch's table of the factories ``torch.device(...)`` places,
             clear PEFT's stale flag and pop modes left on the calling thread's
             stack, then check again. The default dtype is not repaired while a load's
             dtype window is open (the finding says so). The only place metamode assigns torch

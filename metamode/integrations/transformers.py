@@ -561,12 +561,16 @@ def enable_for_transformers() -> tuple[str, ...]:
     and ``no_tie_weights``, where they exist, to contexts acting in the calling thread only
     (device-less ``torch.linspace`` calls go to cpu; ``PreTrainedModel.tie_weights`` does
     not tie); ``modeling_utils.local_torch_dtype`` to a dtype window (loads in one dtype
-    share the process default, loads in another wait their turn); and sets the attribute
+    share the process default, loads in another wait their turn) and ``_get_dtype`` (a
+    per-module dtype dict without ``""`` gets the default a lone load sees);
+    ``get_torch_context_manager_or_global_device`` to answer as eager construction does
+    inside a replayable ``include_buffers=True`` context; and sets the attributes
     ``PreTrainedModel.initialize_weights`` to transformers' own function run under
     ``torch.no_grad()`` and a thread-scoped guard that leaves loaded tensors as stock's
-    ``guard_torch_init_functions`` does, without reassigning ``torch.nn.init``. A 5.x with
-    neither context name is left alone: returns ``()`` and says why in
-    ``EnableResult.left_alone``.
+    ``guard_torch_init_functions`` does, without reassigning ``torch.nn.init``, and
+    ``_from_config`` and ``_initialize_missing_keys`` to run in a dtype window. A 5.x with
+    none of the context names, ``local_torch_dtype`` and ``guard_torch_init_functions`` is
+    left alone: returns ``()`` and says why in ``EnableResult.left_alone``.
 
     transformers 4.x: rebinds ``modeling_utils.no_init_weights`` and ``_init_weights`` and
     ``integrations.accelerate.init_empty_weights``/``init_on_device`` to thread-scoped
@@ -582,8 +586,9 @@ def enable_for_transformers() -> tuple[str, ...]:
     Raises:
         ImportError: transformers is not installed.
         metamode.IncompatibleLibraryError: this transformers lacks the names
-            for either major version, or its ``initialize_weights`` or
-            ``from_pretrained`` is not decorated as the shim expects; nothing was changed.
+            for either major version, or its ``initialize_weights``,
+            ``from_pretrained``, ``_from_config`` or ``_initialize_missing_keys`` is not
+            built as the shim expects; nothing was changed.
     """
     with _LOCK:
         SHARED.pop(_LEFT_ALONE, None)

@@ -731,9 +731,14 @@ def _guard_idiom_classes() -> tuple[type, type]:
         def __init__(self, config: PretrainedConfig) -> None:
             super().__init__(config)
             self.loaded = nn.Linear(4, 4)
+            self.conv = nn.Conv1d(4, 4, 1)  # dirac_ takes 3-5 dimensions
             self.post_init()
 
         def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, nn.Conv1d):
+                if type(self).style == "dirac_":
+                    nn.init.dirac_(module.weight)
+                nn.init.zeros_(module.bias)
             if not isinstance(module, nn.Linear):
                 return
             weight, style = module.weight, type(self).style
@@ -744,7 +749,7 @@ def _guard_idiom_classes() -> tuple[type, type]:
             elif style == "reset_parameters":
                 module.reset_parameters()
             elif style == "trunc_normal_":
-                nn.init.trunc_normal_(weight, std=0.02)
+                nn.init.trunc_normal_(weight, std=0.02, a=-0.5, b=0.5)  # loaded values outside
             elif style == "xavier_uniform_":
                 nn.init.xavier_uniform_(weight)
             elif style == "zeros_":
@@ -809,6 +814,9 @@ _REDRAWS = (
         pytest.param(
             "sparse_", marks=pytest.mark.xfail(strict=True, reason=_NO_DISPATCH.format("sparse_"))
         ),
+        pytest.param(
+            "dirac_", marks=pytest.mark.xfail(strict=True, reason=_NO_DISPATCH.format("dirac_"))
+        ),
     ],
 )  # fmt: skip
 def test_the_guard_skips_a_loaded_tensor_exactly_where_stock_does(tmp_path, style):
@@ -816,7 +824,11 @@ def test_the_guard_skips_a_loaded_tensor_exactly_where_stock_does(tmp_path, styl
     torch.manual_seed(3)
     model = idioms(config_class())
     model.save_pretrained(str(tmp_path))
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "loaded.bias"}
+    weights = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if k not in ("loaded.bias", "conv.bias")
+    }
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     idioms.style = style
     torch.manual_seed(11)
