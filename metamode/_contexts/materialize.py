@@ -6,6 +6,7 @@ import contextlib
 import functools
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ def _slots(module: nn.Module) -> list[_Slot]:
                 slot = slots.get(id(tensor))
                 if slot is None:
                     slot = slots[id(tensor)] = _Slot(tensor, kind)
+                elif kind == "parameter":  # a parameter also registered as a buffer
+                    slot.kind = kind
                 qualname = f"{prefix}.{name}" if prefix else name
                 if qualname not in slot.names:
                     slot.names.append(qualname)
@@ -375,7 +378,8 @@ def _refusal_message(module: nn.Module, refused: list[_Slot]) -> str:
 
 def unreproducible(module: nn.Module) -> dict[str, str]:
     """``{name: why}`` for every tensor of ``module`` :func:`materialize` would refuse."""
-    slots, _ = _survey(module)
+    with _torch.DisableTorchFunction():  # metamode's own reads, not an open build's
+        slots, _ = _survey(module)
     return {slot.names[0]: slot.reason for slot in slots if slot.reason is not None}
 
 
@@ -387,7 +391,8 @@ def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
         table = holder._parameters if isinstance(obj, nn.Parameter) else holder._buffers
         table["tensor"] = obj  # type: ignore[assignment]
         return is_materializable(holder)
-    slots, _ = _survey(obj)
+    with _torch.DisableTorchFunction():  # metamode's own reads, not an open build's
+        slots, _ = _survey(obj)
     return all(slot.reason is None for slot in slots)
 
 
@@ -405,8 +410,10 @@ def materialize(
     only the calls its tensors need. Meta tensors are allocated on ``device``; real tensors
     the build computed exactly are kept, those whose random numbers it drew from a shifted
     stream are replaced. Parameters stay the same Python objects
-    (``torch.utils.swap_tensors``: ties, classes, attributes, ``requires_grad`` kept);
-    buffers are replaced in their modules. A parameter that FSDP2's ``fully_shard``
+    (``torch.utils.swap_tensors``: ties, classes, attributes, ``requires_grad`` and gradient
+    hooks kept); where torch refuses the swap (a weak reference, a view or an autograd graph
+    holds the parameter), its modules get a new one and a ``UserWarning`` names it.
+    Buffers are replaced in their modules. A parameter that FSDP2's ``fully_shard``
     replaced by a DTensor gets its rank's local shard.
 
     Values are computed on CPU with private generators, then moved to ``device``, so they
@@ -439,6 +446,13 @@ def materialize(
             "materialize(device='meta') would compute every value and throw it away; "
             "pass a real device (the default is cpu)"
         )
+    with _torch.DisableTorchFunction():  # metamode's own work, not an open build's
+        return _locked_and_materialized(module, device, on_unreproducible)
+
+
+def _locked_and_materialized(
+    module: nn.Module, device: torch.device, on_unreproducible: str
+) -> nn.Module:
     first = _slots(module)
     _find_entries(first)
     locked = _programs(first)
@@ -505,6 +519,17 @@ def _materialize(
     except BaseException:
         install.undo()
         raise
+    if install.replaced:
+        warnings.warn(
+            f"metamode.materialize({type(module).__name__}) in thread "
+            f"{threading.current_thread().name!r}: a weak reference, a view or an autograd "
+            f"graph holds {', '.join(repr(n) for n in install.replaced)}, so "
+            f"torch.utils.swap_tensors cannot give it its values in place: the module now "
+            f"holds a new Parameter there, and what held the old one (an optimizer made "
+            f"before materialize, a weak reference) still holds the meta one. Fix: make "
+            f"optimizers after materialize, or drop those references before it",
+            stacklevel=4,
+        )
     return module
 
 
@@ -516,6 +541,7 @@ class _Installer:
         self.device = device
         self._undo: list[Callable[[], object]] = []
         self._sharded: set[int] = set()
+        self.replaced: list[str] = []  # parameters put in place as new objects
 
     def storage(
         self, slots: Any, storage: torch.UntypedStorage, relaid: dict[TensorRef, torch.Tensor]
@@ -571,9 +597,8 @@ class _Installer:
         """A lazy module's uninitialised tensor, recreated on the device (what eager
         construction has there: no value until the module's first forward)."""
         new = moved_parameter(slot.tensor, self.device)  # type: ignore[arg-type]
-        table = "_parameters" if slot.kind == "parameter" else "_buffers"
         for home, name in slot.homes:
-            held = getattr(home, table)
+            held = _table(home, name, slot.tensor)
             old = held[name]
             held[name] = new
             self._undo.append(functools.partial(held.__setitem__, name, old))
@@ -609,16 +634,19 @@ class _Installer:
         for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
             rnn._flat_weight_refs = []
         if _swap(tensor, new):  # the same object: ties and optimizers keep it
-            self._undo.append(functools.partial(torch.utils.swap_tensors, tensor, new))
+            self._undo.append(functools.partial(_swap_back, tensor, new))
             new = tensor
         else:
             # a weak reference, a view or an autograd graph holds it, so swap_tensors
             # cannot replace it in place: the new parameter goes everywhere the old one was
+            _carry_hooks(tensor, new)
             for home, name in slot.homes:
-                old = home._parameters[name]
-                home._parameters[name] = new  # type: ignore[assignment]
-                self._undo.append(functools.partial(home._parameters.__setitem__, name, old))
+                table = _table(home, name, tensor)
+                old = table[name]
+                table[name] = new
+                self._undo.append(functools.partial(table.__setitem__, name, old))
             self._places(slot, new)
+            self.replaced.append(slot.names[0])
         for rnn in rnns:
             rnn._init_flat_weights()
         return new
@@ -634,14 +662,53 @@ class _Installer:
 
 
 def _swap(tensor: torch.Tensor, new: torch.Tensor) -> bool:
-    """``torch.utils.swap_tensors(tensor, new)`` where torch allows it (it checks first)."""
+    """``torch.utils.swap_tensors(tensor, new)`` where torch allows it (it checks first),
+    with each object's gradient hooks kept working."""
     if weakref.getweakrefs(tensor) or _torch.use_count(tensor) > 2:
         return False
     try:
         torch.utils.swap_tensors(tensor, new)
     except RuntimeError:  # a second holder swap_tensors found: nothing was swapped
         return False
+    _rehook(tensor)
+    _rehook(new)
     return True
+
+
+def _swap_back(tensor: torch.Tensor, new: torch.Tensor) -> None:
+    torch.utils.swap_tensors(tensor, new)
+    _rehook(tensor)
+    _rehook(new)
+
+
+# A tensor's gradient hooks live in two places: the Python object's dicts (these
+# attributes) and, registered from them, its implementation's autograd metadata.
+# swap_tensors gives the object another implementation and leaves the hooks on the old
+# one; assigning the dicts again registers them on the new one.
+_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _rehook(tensor: torch.Tensor) -> None:
+    for attribute in _HOOKS:
+        hooks = getattr(tensor, attribute)
+        if hooks is not None:
+            setattr(tensor, attribute, hooks)
+
+
+def _carry_hooks(tensor: torch.Tensor, new: torch.Tensor) -> None:
+    """Give ``new`` the gradient hooks registered on ``tensor``, which it replaces (the
+    same dicts: the handles their registration returned still remove them)."""
+    for attribute in _HOOKS:
+        hooks = getattr(tensor, attribute)
+        if hooks is not None:
+            setattr(new, attribute, hooks)
+
+
+def _table(home: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """The table of ``home`` (``_parameters`` or ``_buffers``) holding ``tensor`` as
+    ``name``."""
+    held = home._parameters.get(name)
+    return home._parameters if held is tensor else home._buffers
 
 
 def _local_shard(tensor: Any, value: torch.Tensor) -> torch.Tensor:

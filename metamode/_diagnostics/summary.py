@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from metamode import _torch
 from metamode._contexts.materialize import unreproducible
 from metamode._torch import UninitializedTensorMixin
 
@@ -194,6 +195,11 @@ def summary(module: nn.Module) -> Summary:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"summary() takes an nn.Module, not {type(module).__name__}")
+    with _torch.DisableTorchFunction():  # metamode's own reads, not an open build's
+        return _summary(module)
+
+
+def _summary(module: nn.Module) -> Summary:
     groups: dict[tuple[str, str, str], list[int]] = {}
     meta: list[str] = []
     materializable: list[str] = []

@@ -530,7 +530,7 @@ class Recorder:
         if refused is not None:
             call.refused = refused
         if made and not fact.factory:
-            call.default_dtype = _default_dtype_use(kwargs, inputs, made)
+            call.default_dtype = _default_dtype_use(func, args, kwargs, inputs, made)
         if fact.grows:
             call.grows = True
         if (fact.uninitialised or fact.grows) and _fills_uninitialised():
@@ -1394,13 +1394,23 @@ def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
     return None
 
 
+# Tensor methods whose result has one dtype whatever the default (``.float()``...)
+_FIXED_DTYPE_METHODS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in ("float", "double", "half", "bfloat16", "cfloat", "cdouble", "chalf")
+)
+
+
 def _default_dtype_use(
-    kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
+    func: Any, args: tuple, kwargs: dict, inputs: list[TensorRef], made: list[torch.Tensor]
 ) -> torch.dtype | None:
-    """The default dtype, if it decided the dtype of ``made``, a call's new results (an
-    integer input promoted, to the default or, by a complex scalar, to its complex
-    counterpart)."""
-    if "dtype" in kwargs:
+    """The default dtype, if it may have decided the dtype of ``made``, a call's new
+    results (an integer input promoted, to the default or, by a complex scalar, to its
+    complex counterpart); None where the call names the dtype (``dtype=``, a dtype
+    argument as in ``.to(torch.float32)``, or a method such as ``.float()``)."""
+    if "dtype" in kwargs or func in _FIXED_DTYPE_METHODS:
+        return None
+    if any(type(arg) is torch.dtype for arg in args):
         return None
     default = torch.get_default_dtype()
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
