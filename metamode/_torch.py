@@ -87,6 +87,7 @@ __all__ = [
     "dispatch_exclude_set",
     "dispatch_include_set",
     "dispatch_keys",
+    "dispatch_mode_stack_depth",
     "force_dispatch_keys",
     "has_kernel_for",
     "neg_view",
@@ -112,6 +113,7 @@ __all__ = [
     "registration_hooks",
     "StorageRef",
     "storage_of",
+    "torch_function_enabled",
     "set_global_device_context",
     "use_count",
 ]
@@ -150,6 +152,12 @@ _HOOK_KINDS = ("parameter", "buffer", "module")
 # call: autocast, inference mode, dispatch modes and functorch live there.
 dispatch_include_set: Callable[[], Any] = torch._C._dispatch_tls_local_include_set
 dispatch_exclude_set: Callable[[], Any] = torch._C._dispatch_tls_local_exclude_set
+
+
+# Whether this thread runs torch-function handlers at all (DisableTorchFunction turns them
+# off), and how many torch-dispatch modes it has pushed.
+torch_function_enabled: Callable[[], bool] = torch._C._is_torch_function_enabled
+dispatch_mode_stack_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack
 
 
 def dispatch_keys() -> tuple[Any, Any]:

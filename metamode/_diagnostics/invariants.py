@@ -5,8 +5,10 @@ of ``torch.nn.Module``, functions in ``torch.nn.init`` and ``torch``'s factory
 functions (and torch's table of those ``torch.device(...)`` places), the default
 dtype and device, torch's global registration hooks, the numeric settings a replay
 depends on (float32 matmul precision, intra-op threads, mkldnn, this thread's
-flush-denormal flags), and the calling thread's mode stack (seen through the
-intended changes listed in :mod:`metamode._diagnostics.known_changes`). Taking a
+flush-denormal flags), the switches a replay sets and puts back (the calling thread's
+grad and inference mode, autocast, dispatch keys and modes, torch's ``__future__``
+conversion flags, deterministic algorithms), and the calling thread's mode stack (seen
+through the intended changes listed in :mod:`metamode._diagnostics.known_changes`). Taking a
 snapshot before and comparing after is how the test suite proves that metamode leaves
 nothing behind.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.deterministic
 
 from metamode import _torch
 from metamode._core import dtype_windows
@@ -46,6 +49,7 @@ class Snapshot:
     mode_stack_depth: int
     dtype_windows: dict[int, tuple[torch.dtype, ...]]
     numeric_settings: dict[str, object]
+    switches: dict[str, object]
 
     def changes_since(self, before: Snapshot) -> list[str]:
         """Human-readable differences, empty if the process is as it was."""
@@ -82,9 +86,13 @@ class Snapshot:
             )
         if before.dtype_windows != self.dtype_windows:
             changes.append(f"dtype windows {before.dtype_windows} -> {self.dtype_windows}")
-        for name, old_value in before.numeric_settings.items():
-            if self.numeric_settings[name] != old_value:
-                changes.append(f"{name} {old_value!r} -> {self.numeric_settings[name]!r}")
+        for current, previous in (
+            (self.numeric_settings, before.numeric_settings),
+            (self.switches, before.switches),
+        ):
+            for name, old_value in previous.items():
+                if current[name] != old_value:
+                    changes.append(f"{name} {old_value!r} -> {current[name]!r}")
         return changes
 
 
@@ -102,6 +110,35 @@ def _identities(owner: object, names=None) -> dict[str, int]:
         if value is not None:
             identities[name] = id(value)
     return identities
+
+
+def _switches() -> dict[str, object]:
+    include, exclude = _torch.dispatch_keys()
+    return {
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "torch functions enabled": _torch.torch_function_enabled(),
+        "torch-dispatch mode stack depth": _torch.dispatch_mode_stack_depth(),
+        "dispatch keys (included, excluded)": (str(include), str(exclude)),
+        "cpu autocast (enabled, dtype)": (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+        ),
+        "autocast cache": torch.is_autocast_cache_enabled(),
+        "torch.__future__ swap_module_params_on_conversion": (
+            torch.__future__.get_swap_module_params_on_conversion()
+        ),
+        "torch.__future__ overwrite_module_params_on_conversion": (
+            torch.__future__.get_overwrite_module_params_on_conversion()
+        ),
+        "deterministic algorithms (enabled, warn only)": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "fill_uninitialized_memory": (
+            torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+        ),
+    }
 
 
 def snapshot() -> Snapshot:
@@ -125,4 +162,5 @@ def snapshot() -> Snapshot:
             **settings.now()._asdict(),
             "flush_denormal": thread_state.flushes_denormals(),
         },
+        switches=_switches(),
     )

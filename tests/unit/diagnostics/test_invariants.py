@@ -99,3 +99,75 @@ def test_guard_reports_an_added_global_hook(kind):
         handle.remove()
     assert changes, f"a new global {kind} registration hook went unnoticed"
     assert snapshot().changes_since(before) == []
+
+
+class _PassthroughDispatch(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+_SWITCHES = {
+    "grad mode": lambda: torch.no_grad(),
+    "inference mode": lambda: torch.inference_mode(),
+    "torch functions enabled": lambda: torch._C.DisableTorchFunction(),
+    "torch-dispatch mode stack depth": lambda: _PassthroughDispatch(),
+    "cpu autocast (enabled, dtype)": lambda: torch.autocast("cpu", dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("switch", sorted(_SWITCHES))
+def test_guard_reports_a_switch_left_on_in_this_thread(switch):
+    before = snapshot()
+    with _SWITCHES[switch]():
+        changes = snapshot().changes_since(before)
+    assert any(change.startswith(switch + " ") for change in changes), changes
+    assert snapshot().changes_since(before) == []
+
+
+@pytest.mark.parametrize(
+    ("read", "write", "change"),
+    [
+        (
+            torch.__future__.get_swap_module_params_on_conversion,
+            torch.__future__.set_swap_module_params_on_conversion,
+            "torch.__future__ swap_module_params_on_conversion False -> True",
+        ),
+        (
+            torch.__future__.get_overwrite_module_params_on_conversion,
+            torch.__future__.set_overwrite_module_params_on_conversion,
+            "torch.__future__ overwrite_module_params_on_conversion False -> True",
+        ),
+        (
+            torch.are_deterministic_algorithms_enabled,
+            torch.use_deterministic_algorithms,
+            "deterministic algorithms (enabled, warn only) (False, False) -> (True, False)",
+        ),
+        (
+            lambda: not torch.is_autocast_cache_enabled(),
+            lambda on: torch.set_autocast_cache_enabled(not on),
+            "autocast cache True -> False",
+        ),
+    ],
+)
+def test_guard_reports_a_process_flag_left_flipped(read, write, change):
+    before = snapshot()
+    assert not read()
+    write(True)
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        write(False)
+    assert changes == [change]
+    assert snapshot().changes_since(before) == []
+
+
+def test_guard_reports_fill_uninitialized_memory_left_off():
+    import torch.utils.deterministic as deterministic
+
+    before = snapshot()
+    deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    try:
+        changes = snapshot().changes_since(before)
+    finally:
+        deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    assert changes == ["fill_uninitialized_memory True -> False"], changes
