@@ -74,8 +74,10 @@ def _slots(module: nn.Module) -> list[_Slot]:
                     continue
                 slot = slots.get(id(tensor))
                 if slot is None:
-                    slot = slots[id(tensor)] = _Slot(tensor, kind)
-                elif kind == "parameter":  # a parameter also registered as a buffer
+                    # a Parameter registered as a buffer too (or only) is swapped like one
+                    parameter = kind == "parameter" or isinstance(tensor, nn.Parameter)
+                    slot = slots[id(tensor)] = _Slot(tensor, "parameter" if parameter else kind)
+                elif kind == "parameter":
                     slot.kind = kind
                 qualname = f"{prefix}.{name}" if prefix else name
                 if qualname not in slot.names:
@@ -267,8 +269,9 @@ def _fixed_place(slot: _Slot) -> str | None:
         return None  # swapped in place: every holder keeps the same object
     if any(type(container) is tuple for container, _ in slot.places):
         return (
-            "the module holds it in a tuple attribute, which materialize cannot put its "
-            "new tensor into; hold it in a list, or register it (register_buffer)"
+            "the module holds it in a tuple attribute, which materialize cannot put a new "
+            "tensor into (as it must where torch cannot swap a parameter in place, or for a "
+            "buffer); hold it in a list"
         )
     return None
 
@@ -493,7 +496,9 @@ def _materialize(
             for slot in slots:
                 if slot.shares is not None and slot.wanted:
                     replaced = _REPLACED.get(slot.tensor)
-                    if replaced is not None and slot.kind != "parameter":
+                    if replaced is not None and slot.kind == "parameter":
+                        install.replacement(slot, replaced)
+                    elif replaced is not None:
                         install.buffer(slot, replaced)
                     else:
                         install.storage([slot], slot.shares, {})
@@ -530,6 +535,17 @@ def _materialize(
             f"optimizers after materialize, or drop those references before it",
             stacklevel=4,
         )
+    if install.accumulators:
+        warnings.warn(
+            f"metamode.materialize({type(module).__name__}) in thread "
+            f"{threading.current_thread().name!r}: the gradient accumulator (AccumulateGrad "
+            f"node) of {', '.join(repr(n) for n in install.accumulators)} was alive (an "
+            f"autograd graph, torch.autograd.graph.register_multi_grad_hook or your code "
+            f"holds it): what is registered on that node stays with the meta tensor, and a "
+            f"backward through a graph made before materialize fails. Fix: make graphs and "
+            f"register node hooks after materialize",
+            stacklevel=4,
+        )
     return module
 
 
@@ -542,6 +558,8 @@ class _Installer:
         self._undo: list[Callable[[], object]] = []
         self._sharded: set[int] = set()
         self.replaced: list[str] = []  # parameters put in place as new objects
+        # parameters swapped while their AccumulateGrad node was alive
+        self.accumulators: list[str] = []
 
     def storage(
         self, slots: Any, storage: torch.UntypedStorage, relaid: dict[TensorRef, torch.Tensor]
@@ -584,6 +602,19 @@ class _Installer:
         self._undo.append(functools.partial(_REPLACED.pop, slot.tensor, None))
         return new
 
+    def replacement(self, slot: _Slot, new: torch.Tensor) -> None:
+        """Put ``new`` everywhere the module holds ``slot``'s parameter, which it replaces
+        (a later materialize puts the same one where another module holds the old)."""
+        for home, name in slot.homes:
+            table = _table(home, name, slot.tensor)
+            old = table[name]
+            table[name] = new
+            self._undo.append(functools.partial(table.__setitem__, name, old))
+        self._places(slot, new)
+        if slot.tensor not in _REPLACED:
+            _REPLACED[slot.tensor] = new
+            self._undo.append(functools.partial(_REPLACED.pop, slot.tensor, None))
+
     def _places(self, slot: _Slot, new: torch.Tensor) -> None:
         """Put ``new`` where the module holds ``slot``'s tensor unregistered."""
         for container, key in slot.places:
@@ -624,6 +655,7 @@ class _Installer:
                 new_buffer.__dict__ = dict(tensor.__dict__)
             if new_buffer.is_floating_point() or new_buffer.is_complex():
                 new_buffer.requires_grad_(tensor.requires_grad)
+                _carry_hooks(tensor, new_buffer)
             return self.buffer(slot, new_buffer)
         if _is_dtensor(tensor):
             new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
@@ -633,19 +665,17 @@ class _Installer:
         rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
         for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
             rnn._flat_weight_refs = []
+        accumulating = _torch.use_count(tensor) == 2  # its AccumulateGrad node is alive
         if _swap(tensor, new):  # the same object: ties and optimizers keep it
             self._undo.append(functools.partial(_swap_back, tensor, new))
+            if accumulating:
+                self.accumulators.append(slot.names[0])
             new = tensor
         else:
             # a weak reference, a view or an autograd graph holds it, so swap_tensors
             # cannot replace it in place: the new parameter goes everywhere the old one was
             _carry_hooks(tensor, new)
-            for home, name in slot.homes:
-                table = _table(home, name, tensor)
-                old = table[name]
-                table[name] = new
-                self._undo.append(functools.partial(table.__setitem__, name, old))
-            self._places(slot, new)
+            self.replacement(slot, new)
             self.replaced.append(slot.names[0])
         for rnn in rnns:
             rnn._init_flat_weights()

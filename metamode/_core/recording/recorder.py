@@ -1394,6 +1394,7 @@ def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:
     return None
 
 
+_TYPE = torch.Tensor.type  # with an argument: the type it names (a dtype, a string)
 # Tensor methods whose result has one dtype whatever the default (``.float()``...)
 _FIXED_DTYPE_METHODS = frozenset(
     getattr(torch.Tensor, name)
@@ -1407,10 +1408,11 @@ def _default_dtype_use(
     """The default dtype, if it may have decided the dtype of ``made``, a call's new
     results (an integer input promoted, to the default or, by a complex scalar, to its
     complex counterpart); None where the call names the dtype (``dtype=``, a dtype
-    argument as in ``.to(torch.float32)``, or a method such as ``.float()``)."""
-    if "dtype" in kwargs or func in _FIXED_DTYPE_METHODS:
+    argument as in ``.to(torch.float32)``, ``.type("torch.FloatTensor")``, or a method
+    such as ``.float()``)."""
+    if kwargs.get("dtype") is not None or func in _FIXED_DTYPE_METHODS:
         return None
-    if any(type(arg) is torch.dtype for arg in args):
+    if any(type(arg) is torch.dtype for arg in args) or (func is _TYPE and len(args) > 1):
         return None
     default = torch.get_default_dtype()
     if any(ref.dtype.is_floating_point or ref.dtype.is_complex for ref in inputs):
