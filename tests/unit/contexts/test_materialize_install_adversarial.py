@@ -36,18 +36,11 @@ from tests.unit.contexts.materialize_checks import (
     materialize_exactly,
     named,
 )
+from tests.unit.contexts.test_materialize_post_build_adversarial import _lin3, _net
 
 RE = metamode.empty_weights
 for _kind in (torch.Tensor, nn.Parameter, nn.Linear, nn.Sequential, nn.Embedding, nn.LSTM):
     copyreg._slotnames(_kind)  # type: ignore[attr-defined]  # before the guard's snapshot
-
-
-def _lin3() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-
-
-def _net() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
 
 
 def _tied() -> nn.Sequential:
