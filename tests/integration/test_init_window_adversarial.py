@@ -557,14 +557,16 @@ def toggle_around_an_init_window(paths: dict[str, str], toggle: str) -> dict[str
     """With the shims on, A loads XGLM in float32. ``in-init``: A waits inside its init window
     while the shims are disabled (and, for ``-enable``, enabled again and B loads XGLM in
     float16, which must park until A's window closes). ``parked-for-init``: A is parked for
-    its init window behind B's float16 build when the shims are disabled; then B, then A
-    finish. Each model against a lone load."""
+    its init window behind B's float16 build when the shims are disabled; then B finishes
+    while A waits inside its initialisation (after disable(), both initialise through
+    stock's process-wide guard, whose spans must nest), then A. Each model against a lone
+    load."""
     first = _xglm(paths["xglm"], dtype=torch.float32)
     second = _xglm(paths["xglm"], dtype=torch.float16)
     with metamode.enabled():
         alone = [first(), second()]
     init_functions = dtype_loads.init_functions()
-    release_a, release_b = threading.Event(), threading.Event()
+    release_a, release_b, b_finished = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
     metamode.enable()
     try:
@@ -582,7 +584,11 @@ def toggle_around_an_init_window(paths: dict[str, str], toggle: str) -> dict[str
                     seen["b_parked_for"] = b.parked_for()
                 release_a.set()
             else:
-                a = _Call(first, missing=lambda: wait(release_a, "B inside its build"))
+                a = _Call(
+                    first,
+                    missing=lambda: wait(release_a, "B inside its build"),
+                    init=lambda: wait(b_finished, "B finished"),
+                )
                 b = _Call(second, build=lambda: wait(release_b, "disable()"))
                 a.start()
                 wait(a.reached["missing"], "A built")
@@ -593,11 +599,14 @@ def toggle_around_an_init_window(paths: dict[str, str], toggle: str) -> dict[str
                 seen["a_parked_for"] = a.parked_for()
                 _registry.disable()
                 release_b.set()
+                b.finish()
+                b_finished.set()
             a.finish()
             b.finish()
     finally:
         release_a.set()
         release_b.set()
+        b_finished.set()
         _registry.disable()
     return {
         **seen,
