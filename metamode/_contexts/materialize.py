@@ -256,11 +256,18 @@ def _changed(slot: _Slot) -> str | None:
         )
     if _version(tensor) != entry.version:
         return (
-            "it was written after its empty_weights block (its version counter moved), "
-            "so its value is not the build's; write it inside the block, or after "
-            "materialize"
+            "its version counter moved after its empty_weights block: it was written, or "
+            "set_ (as register_parametrization does to the tensor it parametrizes), which "
+            "the counter cannot tell apart, so its value may not be the build's; write or "
+            "parametrize it inside the block, or after materialize"
         )
     return None
+
+
+def _named(slot: _Slot) -> str:
+    """``slot``'s name for a message, with every other name it has (ties, containers)."""
+    first, *tied = slot.names
+    return f"{first!r} (also {', '.join(map(repr, tied))})" if tied else repr(first)
 
 
 def _fixed_place(slot: _Slot) -> str | None:
@@ -528,7 +535,7 @@ def _materialize(
         warnings.warn(
             f"metamode.materialize({type(module).__name__}) in thread "
             f"{threading.current_thread().name!r}: a weak reference, a view or an autograd "
-            f"graph holds {', '.join(repr(n) for n in install.replaced)}, so "
+            f"graph holds {', '.join(install.replaced)}, so "
             f"torch.utils.swap_tensors cannot give it its values in place: the module now "
             f"holds a new Parameter there, and what held the old one (an optimizer made "
             f"before materialize, a weak reference) still holds the meta one. Fix: make "
@@ -539,7 +546,7 @@ def _materialize(
         warnings.warn(
             f"metamode.materialize({type(module).__name__}) in thread "
             f"{threading.current_thread().name!r}: the gradient accumulator (AccumulateGrad "
-            f"node) of {', '.join(repr(n) for n in install.accumulators)} was alive (an "
+            f"node) of {', '.join(install.accumulators)} was alive (an "
             f"autograd graph, torch.autograd.graph.register_multi_grad_hook or your code "
             f"holds it): what is registered on that node stays with the meta tensor, and a "
             f"backward through a graph made before materialize fails. Fix: make graphs and "
@@ -669,14 +676,14 @@ class _Installer:
         if _swap(tensor, new):  # the same object: ties and optimizers keep it
             self._undo.append(functools.partial(_swap_back, tensor, new))
             if accumulating:
-                self.accumulators.append(slot.names[0])
+                self.accumulators.append(_named(slot))
             new = tensor
         else:
             # a weak reference, a view or an autograd graph holds it, so swap_tensors
             # cannot replace it in place: the new parameter goes everywhere the old one was
             _carry_hooks(tensor, new)
             self.replacement(slot, new)
-            self.replaced.append(slot.names[0])
+            self.replaced.append(_named(slot))
         for rnn in rnns:
             rnn._init_flat_weights()
         return new

@@ -194,7 +194,7 @@ fuse = torch.nn.utils.fusion.fuse_linear_bn_eval
 # fmt: off
 REFUSED = {  # idiom -> (change, names refused, what the reason says)
     "register_parametrization": (lambda m: P.register_parametrization(m[0], "weight", _Symmetric()),
-                                 _ORIGINAL, "version counter moved"),
+                                 _ORIGINAL, r"set_ \(as register_parametrization"),
     "register_parametrization with right_inverse":
         (lambda m: P.register_parametrization(m[0], "weight", _Halved()), _ORIGINAL, "inside"),
     "parametrizations.weight_norm":
