@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copyreg
 import functools
 import threading
 import types
@@ -17,7 +19,7 @@ from torch import nn
 
 from metamode import _torch
 from metamode._core import recording
-from metamode._core.params import moved_parameter
+from metamode._core.params import carry_attributes, moved_parameter
 from metamode._core.recording import Entry, Key, Program, TensorRef
 
 __all__ = [
@@ -101,9 +103,10 @@ _REGISTERED = frozenset(["_parameters", "_buffers", "_modules"])
 def _attributes(sub: nn.Module, prefix: str) -> list[tuple[torch.Tensor, Any, Any, str]]:
     """The tensors ``sub`` holds outside its parameters and buffers: as plain attributes
     (``module.weight = t`` for a name not registered, as the old ``weight_norm`` and
-    ``spectral_norm`` do), and in the lists, tuples, dicts and plain objects (a
-    ``SimpleNamespace``, a dataclass) those hold, up to ``_DEPTH`` levels down, never into
-    a module; each with its container, its key there and its qualified name."""
+    ``spectral_norm`` do), and in the lists, tuples, dicts (their subclasses too), deques
+    and plain objects (a ``SimpleNamespace``, a dataclass) those hold, up to ``_DEPTH``
+    levels down, never into a module; each with its container, its key there and its
+    qualified name."""
     found: list[tuple[torch.Tensor, Any, Any, str]] = []
     attributes = vars(sub)
     for name in [name for name in attributes if name not in _REGISTERED]:
@@ -116,9 +119,36 @@ _DEPTH = 4
 _LEAVES = (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
 
 
+class _Members(tuple):
+    """The members of a set attribute, read in place of it: a place nothing is put into."""
+
+    __slots__ = ()
+
+
+class _SlotsOf:
+    """A plain object's ``__slots__``, read and written like a dict."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.obj, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        object.__setattr__(self.obj, name, value)  # as a __dict__ write (frozen dataclasses)
+
+
+def _read(place: Any, key: Any) -> Any:
+    """``place[key]``, past a dict subclass's own ``__getitem__``."""
+    return dict.__getitem__(place, key) if isinstance(place, dict) else place[key]
+
+
 def _visit(place: Any, key: Any, name: str, found: list, depth: int, seen: set[int]) -> None:
-    """Collect the tensors in ``place[key]`` (a container, or a plain object's __dict__)."""
-    value = place[key]
+    """Collect the tensors in ``place[key]`` (a container, or a plain object's __dict__ or
+    __slots__)."""
+    value = _read(place, key)
     if isinstance(value, torch.Tensor):
         if _held(value):
             found.append((value, place, key, name))
@@ -126,19 +156,29 @@ def _visit(place: Any, key: Any, name: str, found: list, depth: int, seen: set[i
     if depth >= _DEPTH or id(value) in seen or isinstance(value, _LEAVES):
         return
     kind = type(value)
-    if kind is list or kind is tuple:
+    if isinstance(value, list | tuple | collections.deque):  # a namedtuple, a deque too
         seen.add(id(value))
         for index in range(len(value)):
             _visit(value, index, f"{name}[{index}]", found, depth + 1, seen)
-    elif kind is dict:
+    elif isinstance(value, dict | types.MappingProxyType):  # an OrderedDict, a defaultdict
         seen.add(id(value))
         for item in list(value):
             _visit(value, item, f"{name}[{item!r}]", found, depth + 1, seen)
-    elif kind.__module__ != "builtins" and type(getattr(value, "__dict__", None)) is dict:
+    elif isinstance(value, set | frozenset):
         seen.add(id(value))
-        attributes = vars(value)
-        for item in list(attributes):
-            _visit(attributes, item, f"{name}.{item}", found, depth + 1, seen)
+        members = _Members(value)
+        for index in range(len(members)):
+            _visit(members, index, f"{name}{{{index}}}", found, depth + 1, seen)
+    elif kind.__module__ != "builtins":
+        seen.add(id(value))
+        if type(getattr(value, "__dict__", None)) is dict:
+            attributes = vars(value)
+            for item in list(attributes):
+                _visit(attributes, item, f"{name}.{item}", found, depth + 1, seen)
+        slots = _SlotsOf(value)
+        for item in copyreg._slotnames(kind):  # type: ignore[attr-defined]
+            if hasattr(value, item):
+                _visit(slots, item, f"{name}.{item}", found, depth + 1, seen)
 
 
 def _held(tensor: torch.Tensor) -> bool:
@@ -256,9 +296,9 @@ def _changed(slot: _Slot) -> str | None:
         )
     if _version(tensor) != entry.version:
         return (
-            "its version counter moved after its empty_weights block: it was written, or "
-            "set_ (as register_parametrization does to the tensor it parametrizes), which "
-            "the counter cannot tell apart, so its value may not be the build's; write or "
+            "it was written after its empty_weights block, or set_ (as "
+            "register_parametrization does to the tensor it parametrizes), which its version "
+            "counter (moved) cannot tell apart, so its value may not be the build's; write or "
             "parametrize it inside the block, or after materialize"
         )
     return None
@@ -270,15 +310,18 @@ def _named(slot: _Slot) -> str:
     return f"{first!r} (also {', '.join(map(repr, tied))})" if tied else repr(first)
 
 
+_FIXED = (tuple, types.MappingProxyType)  # containers nothing can be put into
+
+
 def _fixed_place(slot: _Slot) -> str | None:
     """Why a new tensor cannot be put where ``slot``'s tensor is held, if so."""
     if slot.kind == "parameter" and not slot.tensor.is_meta:
         return None  # swapped in place: every holder keeps the same object
-    if any(type(container) is tuple for container, _ in slot.places):
+    if any(isinstance(container, _FIXED) for container, _ in slot.places):
         return (
-            "the module holds it in a tuple attribute, which materialize cannot put a new "
-            "tensor into (as it must where torch cannot swap a parameter in place, or for a "
-            "buffer); hold it in a list"
+            "the module holds it in a tuple attribute (or a namedtuple, a set, a "
+            "mappingproxy), which materialize cannot put a new tensor into (as it must where "
+            "torch cannot swap a parameter in place, or for a buffer); hold it in a list"
         )
     return None
 
@@ -292,12 +335,21 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         if _lazy(tensor):
             continue  # materialize puts an uninitialised one on the device
         if entry is None:
-            if tensor.is_meta and any(recording.home(h, n) for h, n in slot.homes):
+            homes = [recording.home(home, name) for home, name in slot.homes]
+            if any(e is not None and e.impl == tensor._cdata for e in homes):
+                slot.reason = (
+                    "its memory was replaced after the block, in place (.data =, as "
+                    "module.half(), .double() or .to(dtype) do to every parameter), so it no "
+                    "longer holds what its empty_weights block registered; materialize "
+                    "first, then cast"
+                )
+            elif tensor.is_meta and any(homes):
                 slot.reason = (
                     "it is not the tensor its empty_weights block registered there: it was "
-                    "replaced after the block (a cast under torch.__future__."
-                    "set_swap_module_params_on_conversion(True) swaps in another tensor, "
-                    "or an assignment); materialize first, then cast"
+                    "replaced after the block (a cast such as module.half() puts a new "
+                    "buffer in, and a new parameter under torch.__future__."
+                    "set_swap_module_params_on_conversion(True); or an assignment); "
+                    "materialize first, then cast"
                 )
             elif tensor.is_meta and slot.kind == "attribute":
                 slot.reason = (
@@ -625,9 +677,9 @@ class _Installer:
     def _places(self, slot: _Slot, new: torch.Tensor) -> None:
         """Put ``new`` where the module holds ``slot``'s tensor unregistered."""
         for container, key in slot.places:
-            if type(container) is tuple:
+            if isinstance(container, _FIXED):
                 continue  # refused when wanted; left as it is when emptied
-            old = container[key]
+            old = _read(container, key)
             container[key] = new
             self._undo.append(functools.partial(container.__setitem__, key, old))
 
@@ -658,8 +710,7 @@ class _Installer:
             new_buffer = value.detach()
             if type(tensor) is not torch.Tensor:  # a tensor subclass: keep its class
                 new_buffer = _torch.make_subclass(type(tensor), new_buffer, False)
-            if tensor.__dict__:  # Python attributes set on it (a tag, a flag)
-                new_buffer.__dict__ = dict(tensor.__dict__)
+            carry_attributes(tensor, new_buffer)  # Python attributes (a tag, a flag)
             if new_buffer.is_floating_point() or new_buffer.is_complex():
                 new_buffer.requires_grad_(tensor.requires_grad)
                 _carry_hooks(tensor, new_buffer)
@@ -668,7 +719,7 @@ class _Installer:
             new: torch.Tensor = nn.Parameter(value, requires_grad=tensor.requires_grad)
         else:
             new = _torch.make_subclass(type(tensor), value.detach(), tensor.requires_grad)
-        new.__dict__ = dict(tensor.__dict__)
+        carry_attributes(tensor, new)
         rnns = [home for home, _ in slot.homes if isinstance(home, nn.RNNBase)]
         for rnn in rnns:  # its weak references would stop swap_tensors; rebuilt below
             rnn._flat_weight_refs = []

@@ -381,6 +381,7 @@ class EmptyWeights(ThreadScopedMode):
                     and mode._recorder is not None
                 ):
                     self._recorder = mode._recorder
+                    self._recorder.joined(self.device)
                     return
         if self.replayable:
             self._recorder = Recorder()

@@ -15,12 +15,43 @@ data to copy: it is recreated, uninitialised, on the new device -- what
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any
+
 import torch
 from torch.nn import Parameter
 
 from metamode._torch import UninitializedTensorMixin, make_subclass, neg_view
 
-__all__ = ["moved_parameter", "moved_tensor"]
+__all__ = ["carry_attributes", "moved_parameter", "moved_tensor"]
+
+
+def carry_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` the Python attributes ``source`` has: its ``__dict__`` (but
+    ``requires_grad``, which ``Parameter`` reads from the tensor) and its ``__slots__``,
+    except where its class dispatches for itself (a wrapper subclass such as DTensor keeps
+    its data in slots: ``target``'s are its own)."""
+    attributes = source.__dict__
+    if attributes:
+        target.__dict__.update({k: v for k, v in attributes.items() if k != "requires_grad"})
+    cls = type(source)
+    if cls is Parameter or cls is torch.Tensor:
+        return
+    if cls.__torch_dispatch__ is not _TENSOR_DISPATCH:
+        return
+    for name in _slot_names(cls):
+        if hasattr(source, name):
+            setattr(target, name, getattr(source, name))
+        elif hasattr(target, name):  # deleted on the source, or never set
+            delattr(target, name)
+
+
+_TENSOR_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: Any = copyreg._slotnames(cls)  # type: ignore[attr-defined]
+    return names
 
 
 def moved_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -64,20 +95,19 @@ def moved_parameter(param: Parameter, device: torch.device) -> Parameter:
         return _uninitialised_on(param, device)
     data = moved_tensor(param, device)
     cls = type(param)
-    attributes = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
     requires_grad = param.requires_grad
     if cls is Parameter:
         moved = Parameter(data, requires_grad=requires_grad)
     else:
+        attributes = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
         moved = _rebuilt_subclass(cls, data, requires_grad, attributes)
-    if attributes:
-        moved.__dict__.update(attributes)
+    carry_attributes(param, moved)
     return moved
 
 
 def _uninitialised_on(tensor, device: torch.device):
     moved = type(tensor)(requires_grad=tensor.requires_grad, device=device, dtype=tensor.dtype)
-    moved.__dict__.update(tensor.__dict__)  # UninitializedBuffer's ``persistent``
+    carry_attributes(tensor, moved)  # UninitializedBuffer's ``persistent``
     return moved
 
 

@@ -104,6 +104,10 @@ class Storage:
     # why its value cannot be known, whatever the build writes to it later (its memory
     # was handed out, or a registered twin cannot share it)
     pinned: str | None = None
+    # made on meta because the build asked for meta itself (device="meta",
+    # torch.device("meta")), not through a tensor the context put there: eager
+    # construction may hold it on meta too, where a random call into it draws nothing
+    asked_meta: bool = False
 
     def __init__(
         self,

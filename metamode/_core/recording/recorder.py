@@ -66,10 +66,13 @@ from metamode._core.recording.streams import (
     take_off,
 )
 from metamode._core.skip_rule import POINTLESS_ON_META, dispatches_plainly
+from metamode._core.stack import modes_innermost_first
 from metamode._torch import (
+    DeviceContext,
     DisableTorchFunction,
     StorageRef,
     UninitializedTensorMixin,
+    current_device,
     neg_view,
     pop_mode,
     push_mode,
@@ -170,6 +173,10 @@ class Recorder:
         self._grown: dict[int, int] = {}  # storage -> its size, once a resize grew it
         # id -> what holds it, of each tensor registered under an empty twin
         self._twinned: dict[int, Callable[[], Any]] = {}
+        # storage -> the registry entry of another build's tensor this one uses
+        self._foreign: dict[int, registry.Entry] = {}
+        # id -> the meta device a .device read of a tensor the context placed answered
+        self._placed_devices: dict[int, torch.device] = {}
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(
@@ -199,11 +206,15 @@ class Recorder:
         storages.append(info)
         if tensor.is_inference():
             info.refused = "it is an inference tensor: it has no version counter to show its writes"
-        elif origin is Origin.UNKNOWN and registry.entry(tensor) is not None:
+        elif origin is Origin.UNKNOWN and (found := registry.entry(tensor)) is not None:
             info.refused = (
-                "it was computed from a tensor made in another metamode.empty_weights "
-                "context; materialize that one first"
+                "it was computed from a tensor made in another replayable "
+                "metamode.empty_weights context, of which this recording saw only the meta "
+                "stand-in; materialize that one first, then build this one (materializing it "
+                "afterwards cannot change what this recording saw)"
             )
+            self._foreign[index] = found
+            self._special.add(index)
         self._epochs.append(0)
         keep = StorageRef(storage)
         self._storages[storage._cdata] = (index, keep)
@@ -395,6 +406,12 @@ class Recorder:
                 f"and safetensors read from a file, for one), which metamode does not copy: "
                 f"load files into the module after materialize"
             )
+        if isinstance(value, int | float | complex | str | bytes):  # an IntEnum member
+            return value
+        if isinstance(value, tuple) and hasattr(kind, "_make"):  # a namedtuple
+            if _IMMUTABLE.issuperset(map(type, value)):
+                return value
+            return kind._make([self._capture(v, tensors, generators) for v in value])
         raise CannotCapture(f"an argument of type {kind.__qualname__} metamode cannot copy")
 
     def _results(self, value: Any, creates: list, call: int) -> Any:
@@ -428,6 +445,8 @@ class Recorder:
             result = func(*args, **kwargs)
             if fact is _QUERY_FACT:  # reads metadata that is the same on meta
                 return result
+            if fact.device and result.type == "meta":
+                self._placed_device(args[0], result)
             if fact.hands_out_memory and args and _is_tensor(type(args[0])):
                 self._handed_out(func, args[0], fact)
             if self.program.diverged is None and (
@@ -479,6 +498,7 @@ class Recorder:
         if flights is not None:
             with DRAWING:
                 draws = self._begin_draws(fact, generators, tensors, kwargs)
+                draws = _unknowable(draws, self._asked_meta_draw(args, kwargs))
                 take_off([track for track, _ in draws], flights)
         # a call that may change its arguments' geometry is replayed on them as they were
         early = self._captured(func, args, kwargs) if reshapes else None
@@ -505,6 +525,9 @@ class Recorder:
         captured_args, captured_kwargs, refused = early or self._captured(func, args, kwargs)
         creates: list[int] = []
         captured_result = self._results(result, creates, index)
+        if creates and self._asks_meta(func, args, kwargs, inputs):
+            for created in creates:
+                self._made_asked_meta(created)
         if fact.factory:
             captured_kwargs = {**captured_kwargs, "device": _CPU}
             if kwargs.get("dtype") is None and isinstance(result, torch.Tensor):
@@ -708,7 +731,13 @@ class Recorder:
                 call.covers = ref.storage
         if fact.random:
             with DRAWING:
-                self._append(call, [target], self._begin_draws(fact, generators, [target], kwargs))
+                draws = self._begin_draws(fact, generators, [target], kwargs)
+                info = self.program.storages[ref.storage]
+                if (info.asked_meta or info.origin is Origin.UNKNOWN) and self._asked_tensor(
+                    target, ref.storage
+                ):
+                    draws = _unknowable(draws, _ASKED_META_DRAW)
+                self._append(call, [target], draws)
         else:
             self._append(call, [target], [])
         return target
@@ -735,6 +764,11 @@ class Recorder:
             ref = self._created(result, index)
         else:
             ref = self.ref(result, creating_call=index)
+        device = kwargs.get("device")
+        if device is None and current_device() is not None:
+            device = _default_device()
+        if device is not None and self._asked(device):
+            self._made_asked_meta(ref.storage)
         if kwargs.get("device") == "meta":
             caller = _reader(sys._getframe(1))
             if caller is not None and rebuilds_without_values(caller.f_code):
@@ -797,6 +831,88 @@ class Recorder:
             return False
         known = self._storages.get(tensor.untyped_storage()._cdata)
         return known is not None and not known[1].expired()
+
+    def _storage_index(self, tensor: torch.Tensor) -> int | None:
+        """The index of the storage ``tensor`` lives in, if this recording has seen it."""
+        seen = self._tensors.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:
+            return seen[1].storage
+        if _storageless(tensor):
+            return None
+        known = self._storages.get(tensor.untyped_storage()._cdata)
+        return known[0] if known is not None and not known[1].expired() else None
+
+    def _placed_device(self, tensor: torch.Tensor, device: torch.device) -> None:
+        """``device`` is the answer of ``tensor.device``: held, so a ``device=`` that is
+        this object is known to stand for where eager construction has ``tensor``."""
+        index = self._storage_index(tensor)
+        if index is None:
+            placed = registry.entry(tensor) is not None  # another build's, or outside's
+        else:
+            placed = not self.program.storages[index].asked_meta
+        if placed:
+            self._placed_devices[id(device)] = device
+
+    def joined(self, device: torch.device) -> None:
+        """A context putting factory calls on ``device`` joined the recording: a
+        ``device=`` that is this object is where the context, not the build, put it."""
+        self._placed_devices[id(device)] = device
+
+    def _asked(self, device: Any) -> bool:
+        """Whether ``device`` (a ``device=`` argument) is meta, and not the answer of a
+        ``.device`` read of a tensor the context put on meta (eager's answer is the CPU)."""
+        return _names_meta(device) and id(device) not in self._placed_devices
+
+    def _asked_meta_draw(self, args: tuple, kwargs: dict) -> str | None:
+        """Why eager construction may draw nothing in a random call (its result goes where
+        the build asked for meta itself, where a meta kernel draws nothing), if so."""
+        device = kwargs.get("device")
+        if device is not None:
+            return _ASKED_META_DRAW if self._asked(device) else None
+        first = kwargs.get("out")
+        if not _is_tensor(type(first)):
+            values = (*args, *kwargs.values())
+            first = next((a for a in values if _is_tensor(type(a))), None)
+        if first is None:
+            asked = self._asked(_default_device())
+        else:
+            asked = first.is_meta and self._asked_tensor(first)
+        return _ASKED_META_DRAW if asked else None
+
+    def _asked_tensor(self, tensor: torch.Tensor, index: int | None = None) -> bool:
+        """Whether meta ``tensor`` (of storage ``index``, if known) is on meta where eager
+        construction may have it on meta too: the build asked for it, or it was made on
+        meta outside the recording (and not in another replayable build)."""
+        if index is None:
+            index = self._storage_index(tensor)
+        if index is None:
+            return registry.entry(tensor) is None
+        info = self.program.storages[index]
+        return info.asked_meta or (info.origin is Origin.UNKNOWN and registry.entry(tensor) is None)
+
+    def _asks_meta(self, func: Any, args: tuple, kwargs: dict, inputs: list[TensorRef]) -> bool:
+        """Whether a call's new result is on meta because the build asked for it: its
+        ``device=`` (or ``Tensor.to``'s device or tensor) does, or, naming none, one of its
+        tensor arguments is such a tensor."""
+        device = kwargs.get("device")
+        if device is not None:
+            return self._asked(device)
+        if not inputs and self._asked(_default_device()):
+            return True
+        storages = self.program.storages
+        if func is _TO:
+            for arg in args[1:]:
+                if _is_tensor(type(arg)):
+                    index = self._storage_index(arg)
+                    return index is not None and storages[index].asked_meta
+                if self._asked(arg):
+                    return True
+        return any(storages[ref.storage].asked_meta for ref in inputs)
+
+    def _made_asked_meta(self, storage: int) -> None:
+        info = self.program.storages[storage]
+        if info.device == "meta":
+            info.asked_meta = True
 
     def _begin_draws(
         self,
@@ -891,6 +1007,13 @@ class Recorder:
         one side of a registered view."""
         if storage in self._views:
             self._apart(storage)
+        foreign = self._foreign.get(storage)
+        if foreign is not None:  # its own build's recording no longer holds its value
+            foreign.refused = foreign.refused or (
+                "a later replayable build wrote it (it was registered or used there too, as "
+                "a weight tied across builds), which its own build's recording does not "
+                "hold; tie and write it in one build, or after materialize"
+            )
         outside = self.program.storages[storage].outside
         if outside is not None:
             outside.written = True
@@ -985,7 +1108,8 @@ class Recorder:
         if fact.random:
             with DRAWING:
                 draws = self._begin_draws(fact, generators, [tensor], {}, keywords)
-                self._append(call, [tensor], draws)
+                why = _ASKED_META_DRAW if self._asked_tensor(tensor, ref.storage) else None
+                self._append(call, [tensor], _unknowable(draws, why))
         else:
             self._append(call, [tensor], [])
 
@@ -1007,10 +1131,12 @@ class Recorder:
         if not fact.addresses:  # numpy(), __array__, __dlpack__ hand out the values too
             self._value_read(func, [ref])
         storage = self.program.storages[ref.storage]
-        storage.pinned = storage.pinned or (
-            f"the build handed its memory out through {_name(func)}(), so writes to it "
-            f"through what that returned would be invisible to the recording"
-        )
+        if storage.pinned is None:
+            storage.pinned = (
+                f"the build handed its memory out through {_name(func)}()"
+                f"{_called_by(sys._getframe(2))}, so writes to it through what that returned "
+                f"would be invisible to the recording"
+            )
 
     def _value_read(self, func: Any, inputs: list[TensorRef]) -> None:
         storages = self.program.storages
@@ -1044,6 +1170,13 @@ class Recorder:
     def _registered_now(
         self, original: torch.Tensor, placed: torch.Tensor | None, module: Any, name: str | None
     ) -> None:
+        if placed is None:
+            found = registry.entry(original)
+            if found is not None and found.program is not self.program:
+                # another build's tensor registered here too (a weight tied across builds):
+                # it stands for that build's recording, which its writes here refuse
+                self.ref(original)
+                return
         if self._memory.active:
             self._reread([original])
         ref = self.ref(original)
@@ -1201,13 +1334,57 @@ def _scan(values: tuple | list, tensors: list, generators: list) -> None:
             _scan(value, tensors, generators)
         elif kind is torch.Generator:
             generators.append(value)
-        elif (kind.__module__ == "numpy" and hasattr(value, "shape")) or kind in _BUFFERS:
+        elif (kind.__module__ == "numpy" and _numpy_array(value)) or kind in _BUFFERS:
             generators.append(_FOREIGN)  # a result may share the array's memory
         elif kind is slice:
             _scan((value.start, value.stop, value.step), tensors, generators)
 
 
+def _numpy_array(value: Any) -> bool:
+    """Whether ``value``, a NumPy object, holds memory (an array; a scalar is a value)."""
+    numpy = sys.modules.get("numpy")
+    return hasattr(value, "shape") and not (numpy is not None and isinstance(value, numpy.generic))
+
+
 _PARAMETRIZATION_LIST = torch.nn.utils.parametrize.ParametrizationList.__init__.__code__
+
+
+_ASKED_META_DRAW = (
+    "it draws into a tensor on meta that the build asked for itself (device='meta', "
+    "torch.device('meta'), or made outside the recording), where eager construction may draw "
+    "nothing; build it on a real device"
+)
+
+
+def _default_device() -> Any:
+    """The device of a ``DeviceContext`` on this thread's mode stack
+    (``torch.set_default_device``, or one entered directly): it sits below every mode, so
+    a factory reaches the recorder without it."""
+    if current_device() is None:  # no DeviceContext entered in any thread
+        return None
+    for mode in modes_innermost_first():
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
+def _names_meta(device: Any) -> bool:
+    """Whether ``device`` (a ``device=`` argument) is the meta device."""
+    if type(device) is str:
+        return device == "meta" or device.startswith("meta:")
+    return type(device) is torch.device and device.type == "meta"
+
+
+def _unknowable(
+    draws: list[tuple[GeneratorTrack | None, Draw]], why: str | None
+) -> list[tuple[GeneratorTrack | None, Draw]]:
+    """``draws``, each with an unknown start when ``why`` says eager may not draw."""
+    if why is None:
+        return draws
+    return [
+        (track, Draw(draw.stream, Start.UNKNOWN, reason=why, keywords=draw.keywords))
+        for track, draw in draws
+    ]
 
 
 def _set_to_itself(tensor: torch.Tensor) -> bool:
@@ -1434,6 +1611,19 @@ def _reader(frame: FrameType | None) -> FrameType | None:
     while frame is not None and (frame.f_code.co_name == "__torch_function__" or _is_ours(frame)):
         frame = frame.f_back
     return frame
+
+
+def _called_by(frame: FrameType | None) -> str:
+    """Who made a call, for a message: the build's code, through torch's own functions
+    (``Tensor.__reduce_ex__`` when pickle or torch.save took a tensor's storage)."""
+    frame = _reader(frame)
+    through = None
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("torch."):
+        through, frame = frame, frame.f_back
+    named = f"{frame.f_code.co_qualname}()" if frame is not None else "code"
+    if through is None:
+        return f", called by {named}"
+    return f", called by torch's {through.f_code.co_qualname}() from {named}"
 
 
 def _is_ours(frame: FrameType) -> bool:

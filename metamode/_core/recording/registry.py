@@ -30,6 +30,7 @@ class Entry:
     # a real tensor never registered, found by its storage: the version counters the
     # build's tensors of that storage had (which of them it shares, torch does not say)
     versions: frozenset[int] | None = None
+    impl: int = 0  # the address of the registered tensor's implementation
 
 
 # id(tensor) -> (what names it, entry). A strided tensor is named without a weak
@@ -51,7 +52,7 @@ def add(
 ) -> Entry:
     """Note that ``tensor`` was registered while ``program`` recorded (``named``: what
     names it, if the caller has made it)."""
-    found = Entry(program)
+    found = Entry(program, impl=tensor._cdata)
     if named is None:
         named = _name(tensor)
     with _LOCK:  # a sweep may run in another thread
