@@ -10,9 +10,14 @@ import socket
 import weakref
 from collections.abc import Iterator
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+# materialize under FSDP2 rests on the recorder's frame and source reads: every interpreter
+# cell runs it
+pytestmark = pytest.mark.per_interpreter
 
 WORLD = 2
 

@@ -16,7 +16,8 @@ from diffusers import (
 import metamode
 from tests.unit.contexts.materialize_checks import MODES, assert_eager_equal
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+# the recorder reads frames and source positions: every interpreter cell runs the zoo
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.per_interpreter]
 
 
 def _llama_config(**extra):

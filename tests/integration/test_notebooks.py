@@ -31,6 +31,9 @@ from nbclient import NotebookClient
 
 from tests.conftest import REPO
 
+# the notebooks are the docs' executed examples: every interpreter cell runs them
+pytestmark = pytest.mark.per_interpreter
+
 NOTEBOOK_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_NAME = "metamode-under-test"

@@ -19,6 +19,9 @@ _PER_INTERPRETER_MODULES = (
     "tests.integration.test_race",
     "tests.unit.integrations.test_exact_skip",
     "tests.unit.integrations.test_exact_skip_sites",
+    "tests.integration.test_materialize_hf",
+    "tests.integration.test_materialize_fsdp",
+    "tests.integration.test_notebooks",
 )
 
 
@@ -72,7 +75,7 @@ def test_each_interpreter_beyond_the_main_jobs_runs_the_per_interpreter_selectio
 
 
 @pytest.mark.parametrize("name", _PER_INTERPRETER_MODULES)
-def test_the_race_and_exact_skip_modules_are_marked_per_interpreter(name):
+def test_the_modules_every_interpreter_runs_are_marked_per_interpreter(name):
     marks = importlib.import_module(name).pytestmark
     marks = marks if isinstance(marks, list) else [marks]
     assert "per_interpreter" in {mark.name for mark in marks}
