@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copyreg
 import functools
 import threading
 import types
@@ -19,7 +18,7 @@ from torch import nn
 
 from metamode import _torch
 from metamode._core import recording
-from metamode._core.params import carry_attributes, moved_parameter
+from metamode._core.params import carry_attributes, moved_parameter, slot_names
 from metamode._core.recording import Entry, Key, Program, TensorRef
 
 __all__ = [
@@ -176,7 +175,7 @@ def _visit(place: Any, key: Any, name: str, found: list, depth: int, seen: set[i
             for item in list(attributes):
                 _visit(attributes, item, f"{name}.{item}", found, depth + 1, seen)
         slots = _SlotsOf(value)
-        for item in copyreg._slotnames(kind):  # type: ignore[attr-defined]
+        for item in slot_names(kind):
             if hasattr(value, item):
                 _visit(slots, item, f"{name}.{item}", found, depth + 1, seen)
 

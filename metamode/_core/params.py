@@ -23,7 +23,7 @@ from torch.nn import Parameter
 
 from metamode._torch import UninitializedTensorMixin, make_subclass, neg_view
 
-__all__ = ["carry_attributes", "moved_parameter", "moved_tensor"]
+__all__ = ["carry_attributes", "moved_parameter", "moved_tensor", "slot_names"]
 
 
 def carry_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
@@ -39,7 +39,7 @@ def carry_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
         return
     if cls.__torch_dispatch__ is not _TENSOR_DISPATCH:
         return
-    for name in _slot_names(cls):
+    for name in slot_names(cls):
         if hasattr(source, name):
             setattr(target, name, getattr(source, name))
         elif hasattr(target, name):  # deleted on the source, or never set
@@ -49,7 +49,8 @@ def carry_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
 _TENSOR_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-def _slot_names(cls: type) -> list[str]:
+def slot_names(cls: type) -> list[str]:
+    """The ``__slots__`` names instances of ``cls`` have (its bases' too), as pickle reads them."""
     names: Any = copyreg._slotnames(cls)  # type: ignore[attr-defined]
     return names
 

@@ -515,7 +515,7 @@ class Recorder:
             self._reshaped(tensors, before or [])
         ids = {id(t) for t in tensors}
         made = [t for t in _tensors_in(result) if id(t) not in ids]
-        fresh = [t for t in made if not self._known(t)]
+        fresh = [t for t in made if self._storage_index(t) is None]
         if not written and not fresh and not fact.random:
             if tensors and type(result) in _VALUES:  # Python values read from tensor data
                 self._value_read(func, [self.ref(t) for t in tensors])
@@ -821,16 +821,6 @@ class Recorder:
             return func(*args, **kwargs)
         finally:
             pop_mode()
-
-    def _known(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in a storage this recording has seen."""
-        seen = self._tensors.get(id(tensor))
-        if seen is not None and seen[0]() is tensor:
-            return True
-        if _storageless(tensor):
-            return False
-        known = self._storages.get(tensor.untyped_storage()._cdata)
-        return known is not None and not known[1].expired()
 
     def _storage_index(self, tensor: torch.Tensor) -> int | None:
         """The index of the storage ``tensor`` lives in, if this recording has seen it."""
