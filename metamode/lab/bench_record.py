@@ -333,14 +333,74 @@ def _call_time_only() -> None:
     recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
 
 
+def _common_deferred() -> None:
+    """Make this process's recorders defer the events a model build is made of: a call the
+    context skips on meta, a factory call from no tensors, a registration (99% of a Llama
+    build's recorded events). Each is appended to a list with what ``--call-time-only``
+    reads for it (a registration also notes its tensor's id against the recorder, where a
+    later lookup would find its program); every other call is recorded and analysed as now.
+    Nothing deferred is analysed, so nothing can be materialized."""
+    import torch
+
+    from metamode._core.recording import recorder, thread_state
+    from metamode._core.recording.streams import DRAWING, mark
+
+    pending: dict[int, Any] = {}
+
+    def seen(tensor: torch.Tensor) -> tuple:
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset())
+        return tensor._version, tensor.untyped_storage()._cdata, geometry
+
+    def made(self: Any, func: Any, fact: Any, args: tuple, kwargs: dict, runner: Any) -> Any:
+        result, _ = runner.placed_call(func, args, kwargs)
+        state = thread_state.current()
+        log = self.__dict__.setdefault("log", [])
+        log.append((func, args, kwargs, result, state, seen(result)))
+        return result
+
+    def skipped(self: Any, func: Any, fact: Any, args: tuple, kwargs: dict, target: Any) -> Any:
+        log = self.__dict__.setdefault("log", [])
+        state = thread_state.current()
+        if fact.random:
+            with DRAWING:
+                for track, _ in self._begin_draws(fact, [], [target], kwargs):
+                    if track is not None:
+                        mark(track, self.program, len(log))
+        log.append((func, args, kwargs, target, state, seen(target)))
+        return target
+
+    def registered(self: Any, original: Any, placed: Any, module: Any = None, name: Any = None):
+        target = original if placed is None else placed
+        pending[id(target)] = self
+        log = self.__dict__.setdefault("log", [])
+        log.append((original, placed, module, name, seen(original)))
+
+    recorder.Recorder._made = made  # type: ignore[method-assign]
+    recorder.Recorder._skipped = skipped  # type: ignore[method-assign]
+    recorder.Recorder.registered = registered  # type: ignore[method-assign]
+    recorder.Recorder.close = lambda self: None  # type: ignore[method-assign]
+
+
 # recorders the replayable column can be reduced to (their builds cannot be materialized):
-# name -> (what installs it, what the table's header line says)
+# name -> (what installs it, what the table's header line says, its option)
 FLOORS = {
-    "log-only": (_log_only, "a recorder that only appends each call to a list (--log-only)"),
+    "log-only": (
+        _log_only,
+        "a recorder that only appends each call to a list (--log-only)",
+        "--log-only",
+    ),
     "call-time": (
         _call_time_only,
         "a recorder that reads at call time only what a later analysis could not, and "
         "analyses nothing (--call-time-only)",
+        "--call-time-only",
+    ),
+    "common-deferred": (
+        _common_deferred,
+        "a recorder that defers the skipped calls, tensorless factory calls and "
+        "registrations, reading at call time what a later analysis could not, and analyses "
+        "the other calls as they happen (--common-deferred)",
+        "--common-deferred",
     ),
 }
 
@@ -520,6 +580,16 @@ def _parser() -> argparse.ArgumentParser:
         "of its tensors, the thread's dispatch state, a skipped draw's marker) and "
         "analyses nothing: the floor of such a recorder (its builds cannot be materialized)",
     )
+    floors.add_argument(
+        "--common-deferred",
+        dest="floor",
+        action="store_const",
+        const="common-deferred",
+        help="the replayable column's recorder defers the events a model build is made of "
+        "(calls skipped on meta, factory calls from no tensors, registrations) with what "
+        "--call-time-only reads for them, and analyses the other calls as they happen (its "
+        "builds cannot be materialized)",
+    )
     parser.add_argument(
         "--without",
         type=_parts,
@@ -596,7 +666,7 @@ def main(argv: list[str]) -> int:
             mode = "callgrind"
     shape = f"{args.model}{' (tiny)' if args.tiny else ''}"
     if args.floor and args.without:
-        option = "--log-only" if args.floor == "log-only" else "--call-time-only"
+        option = FLOORS[args.floor][2]
         parser.error(f"argument --without: not allowed with {option} (which has no such parts)")
     if args.floor:
         print(f"replayable: {FLOORS[args.floor][1]}")

@@ -139,6 +139,42 @@ def test_a_call_time_recorder_reads_what_cannot_wait_and_records_nothing():
             setattr(recorder.Recorder, name, method)
 
 
+def test_common_deferred_swaps_the_recorder_for_one_that_defers_a_builds_common_events():
+    done = _bench_record(
+        "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1", "--common-deferred"
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == (
+        "replayable: a recorder that defers the skipped calls, tensorless factory calls and "
+        "registrations, reading at call time what a later analysis could not, and analyses "
+        "the other calls as they happen (--common-deferred)"
+    )
+    _check_rows(done.stdout, "torch-small", ["params-only", "include_buffers=True"])
+
+
+def test_a_common_deferred_recorder_logs_the_common_events_and_records_the_rest():
+    names = ("_made", "_skipped", "registered", "close")
+    saved = {name: vars(recorder.Recorder)[name] for name in names}
+    try:
+        bench_record._common_deferred()
+        torch.manual_seed(7)
+        with metamode.empty_weights(replayable=True) as context:
+            linear = torch.nn.Linear(2, 2)
+            linear.register_buffer("steps", torch.arange(3) * 2)
+        assert torch.initial_seed() != 7  # each skipped draw set its marker
+        log = context._recorder.log
+        draw = next(event for event in log if event[0] is torch.nn.init.kaiming_uniform_)
+        assert draw[3] is linear.weight and draw[5][0] == 0 and draw[5][2][0] == (2, 2)
+        factories = {event[0] for event in log if event[0] in (torch.empty, torch.arange)}
+        assert factories == {torch.empty, torch.arange}  # tensorless factory calls
+        assert [event[3] for event in log if event[2] is linear] == ["weight", "bias", "steps"]
+        recorded = [call.func for call in context._recorder.program.calls]
+        assert recorded == [torch.Tensor.mul]  # the other calls are analysed as they happen
+    finally:
+        for name, method in saved.items():
+            setattr(recorder.Recorder, name, method)
+
+
 def test_without_names_each_part_the_recorder_skips():
     done = _bench_record(
         "--mode", "wall", "--model", "torch-small", "--tiny", "--reps", "1",
@@ -161,6 +197,8 @@ def test_without_names_each_part_the_recorder_skips():
         (["--without", ","], "expected parts of markers, thread-state, registrations"),
         (["--log-only", "--without", "markers"], "not allowed with --log-only"),
         (["--call-time-only", "--without", "markers"], "not allowed with --call-time-only"),
+        (["--common-deferred", "--without", "markers"], "not allowed with --common-deferred"),
+        (["--common-deferred", "--log-only"], "not allowed with argument --common-deferred"),
         (["--log-only", "--call-time-only"], "not allowed with argument --log-only"),
     ],
 )
