@@ -47,7 +47,18 @@ private name                                     public alternative
 ``torch._C._ForceDispatchKeyGuard``              ``torch.autocast(device, enabled=...)`` per
                                                  device type, which sets parts of them
 ``torch._ops.OpOverload``                        none: the type of ``torch.ops.aten.<op>.<x>``
+``torch._ops.OpOverloadPacket``                  none: the type of ``torch.ops.aten.<op>``
 ``torch._utils._rebuild_meta_tensor_no_storage`` none: what unpickling a meta tensor calls
+``torch._C._get_nnpack_enabled``                 none: ``torch.backends.nnpack.flags`` sets it
+``torch.utils._python_dispatch.``                none: a ``TorchDispatchMode``'s
+``_disable_current_modes``, ``torch._ops.``      ``__exit__`` must nest like ``with`` (the
+``_len_torch_dispatch_stack_pre_dispatch``       caller's modes are set aside for a while)
+``torch._functorch.pyfunctorch.``                none: the transforms (``torch.func.grad``,
+``temporarily_clear_interpreter_stack``,         ``vmap``) the thread is inside
+``torch._C._functorch.peek_interpreter_stack``
+``torch._C._functorch.``                         none: whether a tensor is a transform's
+``is_functorch_wrapped_tensor``, ``get_unwrapped`` wrapper, which has no storage to read,
+                                                 and the tensor it wraps
 ===============================================  ==========================================
 
 Used in place, where the object is at hand (hot paths, or one call site), and
@@ -64,7 +75,8 @@ which ``swap_tensors`` exchanges; ``recording/held.py``; public: none).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -102,6 +114,7 @@ __all__ = [
     "CURRENT_DEVICE_NAME",
     "UninitializedTensorMixin",
     "OpOverload",
+    "OpOverloadPacket",
     "VARIABLE_FUNCTIONS_NAME",
     "local_shape_and_offset",
     "make_subclass",
@@ -138,6 +151,7 @@ _device_constructors()
 make_subclass = torch.Tensor._make_subclass
 UninitializedTensorMixin: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
 OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
 rebuild_meta_tensor_no_storage: Callable[..., torch.Tensor] = (
     torch._utils._rebuild_meta_tensor_no_storage
 )
@@ -233,3 +247,39 @@ def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ..
         dtensor.shape, dtensor.device_mesh, dtensor.placements
     )
     return tuple(shape), tuple(offset)
+
+
+def nnpack_enabled() -> bool:
+    """Whether NNPACK's convolutions may run (``torch.backends.nnpack.set_flags``)."""
+    return bool(torch._C._get_nnpack_enabled())
+
+
+@contextlib.contextmanager
+def callers_modes_set_aside() -> Iterator[None]:
+    """Run the block outside the thread's dispatch modes (``FakeTensorMode``, a logging
+    ``TorchDispatchMode``) and functorch transforms (``torch.func.grad``, ``vmap``), all
+    put back after it."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        if dispatch_mode_stack_depth() or _len_torch_dispatch_stack_pre_dispatch():
+            stack.enter_context(_disable_current_modes())
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            stack.enter_context(temporarily_clear_interpreter_stack())
+        yield
+
+
+# Whether a tensor is a functorch transform's wrapper (vmap's BatchedTensorImpl, grad's and
+# jvp's TensorWrapper), whose storage cannot be read.
+is_functorch_wrapped: Callable[[torch.Tensor], bool] = (
+    torch._C._functorch.is_functorch_wrapped_tensor
+)
+
+
+def functorch_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a functorch transform's wrapper wraps, through every level."""
+    while is_functorch_wrapped(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor

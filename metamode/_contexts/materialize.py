@@ -139,9 +139,28 @@ class _SlotsOf:
         object.__setattr__(self.obj, name, value)  # as a __dict__ write (frozen dataclasses)
 
 
+def _builtin(place: Any) -> Any:
+    """The builtin container type ``place`` is an instance of (its item access bypasses a
+    subclass's own ``__getitem__`` and ``__setitem__``), or None."""
+    for kind in (dict, list, collections.deque):
+        if isinstance(place, kind):
+            return kind
+    return None
+
+
 def _read(place: Any, key: Any) -> Any:
-    """``place[key]``, past a dict subclass's own ``__getitem__``."""
-    return dict.__getitem__(place, key) if isinstance(place, dict) else place[key]
+    """``place[key]``, past a container subclass's own ``__getitem__``."""
+    kind = _builtin(place)
+    return place[key] if kind is None else kind.__getitem__(place, key)
+
+
+def _write(place: Any, key: Any, value: Any) -> None:
+    """``place[key] = value``, past a container subclass's own ``__setitem__``."""
+    kind = _builtin(place)
+    if kind is None:
+        place[key] = value
+    else:
+        kind.__setitem__(place, key, value)
 
 
 def _visit(place: Any, key: Any, name: str, found: list, depth: int, seen: set[int]) -> None:
@@ -325,6 +344,17 @@ def _fixed_place(slot: _Slot) -> str | None:
     return None
 
 
+def _grad_from_the_build(entry: recording.Entry, tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s ``.grad`` cannot be given its eager value, if it has one the build
+    set (a meta backward after the block leaves one eager does not have: dropped)."""
+    if entry.grad and tensor.grad_fn is None and tensor.grad is not None:
+        return (
+            "its .grad was set in the build (assigned, or by a backward pass there), which "
+            "materialize does not replay; set .grad after materialize"
+        )
+    return None
+
+
 def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
     """Every slot of ``module`` with why it is refused, and the plan for the wanted ones."""
     slots = _slots(module)
@@ -383,7 +413,7 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
         changed = _changed(slot)
         if changed is not None and entry.program.diverged is not None:
             changed = entry.program.diverged  # the cause, when the build left eager's path
-        slot.reason = changed or _fixed_place(slot)
+        slot.reason = changed or _fixed_place(slot) or _grad_from_the_build(entry, tensor)
         slot.wanted = slot.reason is None
     for slot in slots:
         if slot.wanted:
@@ -439,7 +469,8 @@ def _refusal_message(module: nn.Module, refused: list[_Slot]) -> str:
 
 def unreproducible(module: nn.Module) -> dict[str, str]:
     """``{name: why}`` for every tensor of ``module`` :func:`materialize` would refuse."""
-    with _torch.DisableTorchFunction():  # metamode's own reads, not an open build's
+    # metamode's own work: not an open build's, nor the caller's modes' or transforms'
+    with _torch.DisableTorchFunction(), _torch.callers_modes_set_aside():
         slots, _ = _survey(module)
     return {slot.names[0]: slot.reason for slot in slots if slot.reason is not None}
 
@@ -452,7 +483,8 @@ def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
         table = holder._parameters if isinstance(obj, nn.Parameter) else holder._buffers
         table["tensor"] = obj  # type: ignore[assignment]
         return is_materializable(holder)
-    with _torch.DisableTorchFunction():  # metamode's own reads, not an open build's
+    # metamode's own work: not an open build's, nor the caller's modes' or transforms'
+    with _torch.DisableTorchFunction(), _torch.callers_modes_set_aside():
         slots, _ = _survey(obj)
     return all(slot.reason is None for slot in slots)
 
@@ -507,7 +539,8 @@ def materialize(
             "materialize(device='meta') would compute every value and throw it away; "
             "pass a real device (the default is cpu)"
         )
-    with _torch.DisableTorchFunction():  # metamode's own work, not an open build's
+    # metamode's own work: not an open build's, nor the caller's modes' or transforms'
+    with _torch.DisableTorchFunction(), _torch.callers_modes_set_aside():
         return _locked_and_materialized(module, device, on_unreproducible)
 
 
@@ -679,8 +712,8 @@ class _Installer:
             if isinstance(container, _FIXED):
                 continue  # refused when wanted; left as it is when emptied
             old = _read(container, key)
-            container[key] = new
-            self._undo.append(functools.partial(container.__setitem__, key, old))
+            _write(container, key, new)
+            self._undo.append(functools.partial(_write, container, key, old))
 
     def uninitialised(self, slot: _Slot) -> None:
         """A lazy module's uninitialised tensor, recreated on the device (what eager
@@ -794,8 +827,9 @@ def _carry_hooks(tensor: torch.Tensor, new: torch.Tensor) -> None:
 def _table(home: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, Any]:
     """The table of ``home`` (``_parameters`` or ``_buffers``) holding ``tensor`` as
     ``name``."""
-    held = home._parameters.get(name)
-    return home._parameters if held is tensor else home._buffers
+    parameters = home._parameters  # a ScriptModule's is a wrapper without .get
+    held = parameters[name] if name in parameters else None  # noqa: SIM401
+    return parameters if held is tensor else home._buffers
 
 
 def _local_shard(tensor: Any, value: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,8 @@ _baseline: torch.dtype | None = None
 def _may_run(waiter: _Waiter) -> bool:
     if any(dtype != waiter.dtype for dtype in _running.values()):
         return False
+    if _running and torch.get_default_dtype() != waiter.dtype:
+        return False  # code inside a running window set the default itself: wait it out
     for ahead in _queue:
         if ahead is waiter:
             return True

@@ -17,13 +17,19 @@ import inspect
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from metamode._torch import OpOverload, device_constructors, rebuild_meta_tensor_no_storage
+from metamode._torch import (
+    OpOverload,
+    OpOverloadPacket,
+    device_constructors,
+    rebuild_meta_tensor_no_storage,
+)
 
 __all__ = [
     "INIT_FUNCTION_NAMES",
@@ -266,7 +272,12 @@ class Fact:
     write a tensor passed positionally (False only where torch's schemas say no overload
     does: an out-of-place aten op, whose ``out=`` is keyword-only). ``unversioned``: the
     tensor arguments it writes in place without moving their version counters (running
-    statistics), or None.
+    statistics), or None. ``gradient``: a read of ``.grad``, which hands out what
+    autograd's engine made, which no torch call makes. ``draws_when``: for a random
+    function that draws only for some arguments (dropout in eval mode or with ``p=0``),
+    whether a call with these ``(args, kwargs)`` may draw (:data:`CONDITIONAL_DRAWS`).
+    ``custom``: the namespace of an op registered outside torch (``torch.library``), whose
+    kernel may draw random numbers without saying so: random, with an unknown start.
     """
 
     name: str
@@ -287,6 +298,9 @@ class Fact:
     grows: bool = False
     writes_positional: bool = True
     unversioned: UnversionedWrites | None = None
+    gradient: bool = False
+    custom: str | None = None
+    draws_when: Callable[[tuple, dict], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,8 +338,108 @@ def fact_of(func: Any) -> Fact:
     """The :class:`Fact` of ``func`` (any callable a torch-function mode is handed)."""
     fact = _FACTS.get(func)
     if fact is None:
-        fact = _FACTS[func] = _classify(func)
+        fact = _classify(func)
+        rule = _conditional_draws().get(func)
+        if rule is not None and fact.random:
+            fact = replace(fact, draws_when=rule)
+        _FACTS[func] = fact
     return fact
+
+
+# Random functions that draw only for some arguments: (function, its dropout probability's
+# parameter, its training flag's parameter). Each may draw only when the flag is set (or
+# there is none) and 0 < p < 1 (ATen's dropout returns its input at p = 0 or outside
+# training, and zeros at p = 1, drawing nothing), or, with no probability, when the flag
+# is set (rrelu's noise, for its negative elements). Positions and defaults come from each
+# function's signature, or for a C function from its aten op's schema.
+CONDITIONAL_DRAWS: tuple[tuple[Callable[..., Any], str | None, str | None], ...] = (
+    (F.dropout, "p", "training"),
+    (F.dropout1d, "p", "training"),
+    (F.dropout2d, "p", "training"),
+    (F.dropout3d, "p", "training"),
+    (F.alpha_dropout, "p", "training"),
+    (F.feature_alpha_dropout, "p", "training"),
+    (torch.dropout, "p", "train"),
+    (torch.dropout_, "p", "train"),
+    (torch.feature_dropout, "p", "train"),
+    (torch.feature_dropout_, "p", "train"),
+    (torch.alpha_dropout, "p", "train"),
+    (torch.alpha_dropout_, "p", "train"),
+    (torch.feature_alpha_dropout, "p", "train"),
+    (torch.feature_alpha_dropout_, "p", "train"),
+    (F.scaled_dot_product_attention, "dropout_p", None),
+    (F.multi_head_attention_forward, "dropout_p", "training"),
+    (torch.lstm, "dropout", "train"),
+    (torch.gru, "dropout", "train"),
+    (torch.rnn_tanh, "dropout", "train"),
+    (torch.rnn_relu, "dropout", "train"),
+    (F.rrelu, None, "training"),
+    (torch.rrelu, None, "training"),
+    (F.rrelu_, None, "training"),
+    (torch.rrelu_, None, "training"),
+)
+
+
+_DRAWLESS: dict[int, Fact] = {}
+
+
+def drawless(fact: Fact) -> Fact:
+    """``fact`` of a call its ``draws_when`` says draws nothing: not random."""
+    found = _DRAWLESS.get(id(fact))
+    if found is None:
+        found = _DRAWLESS[id(fact)] = replace(fact, random=False, draws_when=None)
+    return found
+
+
+@functools.cache
+def _conditional_draws() -> dict[Any, Callable[[tuple, dict], bool]]:
+    return {func: _draw_rule(func, p, flag) for func, p, flag in CONDITIONAL_DRAWS}
+
+
+def _draw_rule(
+    func: Callable[..., Any], p: str | None, flag: str | None
+) -> Callable[[tuple, dict], bool]:
+    """Whether a call of ``func`` with ``(args, kwargs)`` may draw (:data:`CONDITIONAL_DRAWS`)."""
+    overloads: list[tuple[list[bool], dict[str, tuple[int, Any]]]] = []
+    if type(func) is FunctionType:
+        parameters = list(inspect.signature(func).parameters.values())
+        overloads.append(([], {q.name: (i, q.default) for i, q in enumerate(parameters)}))
+    else:  # an overload per schema: which positions take a Tensor tells them apart
+        for op in _aten_overloads(func.__name__):
+            arguments = op._schema.arguments
+            tensors = [str(a.type) == "Tensor" for a in arguments]
+            defaults = {
+                a.name: (i, a.default_value if a.has_default_value() else None)
+                for i, a in enumerate(arguments)
+            }
+            overloads.append((tensors, defaults))
+
+    def value(name: str | None, args: tuple, kwargs: dict, absent: Any) -> Any:
+        if name is None:
+            return absent
+        positions = next(
+            (
+                positions
+                for tensors, positions in overloads
+                if all(
+                    isinstance(arg, torch.Tensor) == takes
+                    for arg, takes in zip(args, tensors, strict=False)
+                )
+            ),
+            overloads[0][1],
+        )
+        index, default = positions[name]
+        if name in kwargs:
+            return kwargs[name]
+        return args[index] if index < len(args) else default
+
+    def draws(args: tuple, kwargs: dict) -> bool:
+        if not value(flag, args, kwargs, True):
+            return False
+        probability = value(p, args, kwargs, 0.5)
+        return not isinstance(probability, int | float) or 0 < probability < 1
+
+    return draws
 
 
 def _classify(func: Any) -> Fact:
@@ -336,6 +450,8 @@ def _classify(func: Any) -> Fact:
         prop = getattr(getattr(func, "__self__", None), "__name__", "")
         if name == "__get__" and prop in _PLACEMENT_PROPERTIES:
             return Fact(prop, query=True, is_meta=prop == "is_meta", placement=True)
+        if name == "__get__" and prop == "grad":
+            return Fact("grad", query=True, gradient=True)
         if name == "__get__" and prop == "device":
             return Fact("device", query=True, device=True)
         if name == "__get__" and prop in _QUERY_PROPERTIES:
@@ -360,12 +476,18 @@ def _classify(func: Any) -> Fact:
         return _python_fact(func, name)
     if isinstance(func, OpOverload):  # torch.ops.aten.resize_.default: its op's own name
         ops, name = [func], func._schema.name.removeprefix("aten::")
+    elif isinstance(func, OpOverloadPacket):  # torch.ops.aten.normal_, torch.ops.mylib.f
+        ops = [getattr(func, overload) for overload in func.overloads()]
+        name = func._qualified_op_name.removeprefix("aten::")
     else:
         ops = _aten_overloads(name)
+    custom = next((op.namespace for op in ops if op.namespace not in _TORCH_NAMESPACES), None)
     return Fact(
         name,
         unversioned=_unversioned_writes(func, name, [op._schema for op in ops]),
-        random=_random_op(name),
+        random=custom is not None
+        or any(torch.Tag.nondeterministic_seeded in op.tags for op in ops),
+        custom=custom,
         generator=any(a.name == "generator" for op in ops for a in op._schema.arguments),
         factory=func in _factories(),
         uninitialised=name in UNINITIALISED_FACTORY_NAMES and bool(ops),
@@ -377,6 +499,11 @@ def _classify(func: Any) -> Fact:
         or name.endswith("_")
         or any(_written(a) and not a.kwarg_only for op in ops for a in op._schema.arguments),
     )
+
+
+# The namespaces of torch's own operators, whose schemas and tags state what they do; an op
+# of any other was registered through torch.library (torch._library.utils.is_builtin).
+_TORCH_NAMESPACES = frozenset(["aten", "prim", "prims"])
 
 
 def _written(argument: Any) -> bool:

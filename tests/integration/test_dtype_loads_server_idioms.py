@@ -367,15 +367,22 @@ def _until(predicate: Callable[[dtype_windows.WindowState], bool], what: str) ->
 
 
 class _Gates:
-    """Per-thread callbacks, each run once at its thread's next parameter registration
-    (a registration hook, installed for one scenario and removed after its threads joined)."""
+    """Per-thread callbacks, each run once at its thread's next parameter registration, or
+    given ``submodule``, its next registration of a submodule of that name (a registration
+    hook, installed for one scenario and removed after its threads joined)."""
 
-    def __init__(self) -> None:
+    def __init__(self, submodule: str | None = None) -> None:
+        self.submodule = submodule
         self._pending: dict[int, Callable[[], None]] = {}
         self._handle: Any = None
 
     def __enter__(self) -> _Gates:
-        hook = nn.modules.module.register_module_parameter_registration_hook
+        hooks = nn.modules.module
+        hook = (
+            hooks.register_module_parameter_registration_hook
+            if self.submodule is None
+            else hooks.register_module_module_registration_hook
+        )
         self._handle = hook(self._on_registration)
         return self
 
@@ -388,7 +395,9 @@ class _Gates:
     def disarm(self) -> None:
         self._pending.pop(threading.get_ident(), None)
 
-    def _on_registration(self, module: nn.Module, name: str, param: Any) -> None:
+    def _on_registration(self, module: nn.Module, name: str, registered: Any) -> None:
+        if self.submodule is not None and name != self.submodule:
+            return
         callback = self._pending.pop(threading.get_ident(), None)
         if callback is not None:
             callback()

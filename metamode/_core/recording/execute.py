@@ -207,6 +207,7 @@ def execute(plan: Plan, done: Done) -> None:
                 state = step.call.state
                 if state is not None:
                     at.enter_context(replaying(state))
+            torch.set_grad_enabled(not step.call.no_grad)  # restored by no_grad's exit
             run.run(step)
             for key in finals.get(position, ()):
                 done(key, run.env[key], run.relaid.pop(key, {}))

@@ -179,6 +179,9 @@ class Call:
     # the process-wide settings it computed from tensor values under (a ProcessSettings)
     settings: Any = None
     state: Any = None  # the thread state it ran under (a ThreadState), None: torch's default
+    # grad mode was off when it computed from tensor values (some CPU kernels choose their
+    # implementation by it: LSTM's oneDNN one runs only without grad)
+    no_grad: bool = False
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from metamode._core.facts import (
     _FACTS,
     _QUERY_FACT,
     Fact,
+    drawless,
     fact_of,
     meta_branch,
     meta_shortcut,
@@ -73,6 +74,8 @@ from metamode._torch import (
     StorageRef,
     UninitializedTensorMixin,
     current_device,
+    functorch_base,
+    is_functorch_wrapped,
     neg_view,
     pop_mode,
     push_mode,
@@ -177,6 +180,8 @@ class Recorder:
         self._foreign: dict[int, registry.Entry] = {}
         # id -> the meta device a .device read of a tensor the context placed answered
         self._placed_devices: dict[int, torch.device] = {}
+        # why every later draw has an unknown start, once code nobody recorded wrote meta
+        self._unseen_meta_write: str | None = None
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(
@@ -270,7 +275,13 @@ class Recorder:
             return ref
         if _storageless(tensor):
             return self._unstrided(tensor, creating_call)
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except NotImplementedError:
+            if not is_functorch_wrapped(tensor):
+                raise
+            # a transform's wrapper (torch.vmap, torch.func.grad): what it wraps
+            return self.ref(functorch_base(tensor), creating_call, check)
         known = self._storages.get(storage._cdata)
         if known is not None and not known[1].expired():
             index = known[0]
@@ -349,6 +360,15 @@ class Recorder:
         )
 
     def _unseen_write(self, ref: TensorRef) -> None:
+        info = self.program.storages[ref.storage]
+        if info.device == "meta" and self._unseen_meta_write is None:
+            # eager's code there may have drawn (TorchScript's uniform_) where meta's drew
+            # nothing, and nothing says when: draws recorded since the tensor was made are in
+            # doubt, and every later one
+            self._unseen_meta_write = _UNSEEN_META_WRITE
+            made = -1 if info.call is None else info.call
+            if any(last > made for last in self._last_draw.values()):
+                self.diverge(_UNSEEN_META_WRITE)
         self._epochs[ref.storage] += 1
         if ref.storage in self._views:
             self._apart(ref.storage)
@@ -449,6 +469,8 @@ class Recorder:
                 self._placed_device(args[0], result)
             if fact.hands_out_memory and args and _is_tensor(type(args[0])):
                 self._handed_out(func, args[0], fact)
+            if fact.gradient and result is not None:
+                self._gradient(result)
             if self.program.diverged is None and (
                 (fact.is_meta and result is True)
                 or (fact.device and result.type == "meta")
@@ -467,6 +489,8 @@ class Recorder:
             target = runner.skips(func, args, kwargs) if func in POINTLESS_ON_META else None
         if target is not None:
             return self._skipped(func, fact, args, kwargs, target)
+        if fact.draws_when is not None and not fact.draws_when(args, kwargs):
+            fact = drawless(fact)  # dropout in eval mode or with p=0: eager draws nothing
         if fact.random and flights is None:
             flights = []
             try:
@@ -498,11 +522,21 @@ class Recorder:
         if flights is not None:
             with DRAWING:
                 draws = self._begin_draws(fact, generators, tensors, kwargs)
-                draws = _unknowable(draws, self._asked_meta_draw(args, kwargs))
+                why = _custom_op_draw(fact) or self._asked_meta_draw(args, kwargs)
+                draws = _unknowable(draws, why)
                 take_off([track for track, _ in draws], flights)
         # a call that may change its arguments' geometry is replayed on them as they were
         early = self._captured(func, args, kwargs) if reshapes else None
-        result, skipped = runner.placed_call(func, args, kwargs)
+        try:
+            result, skipped = runner.placed_call(func, args, kwargs)
+        except NotImplementedError as error:
+            if any(t.is_meta for t in tensors):  # a meta kernel missing: eager runs on
+                self.diverge(
+                    f"{_name(func)} raised NotImplementedError on meta ({_first_line(error)}), "
+                    f"where eager construction runs it: code that caught the error may have "
+                    f"built otherwise"
+                )
+            raise
         try:
             written = [t for t, v in zip(tensors, versions, strict=True) if t._version != v]
         except RuntimeError:
@@ -549,7 +583,12 @@ class Recorder:
             tuple(creates),
             captured_result,
         )
-        refused = refused or _subclass_refusal(tensors) or _meta_dtype_refusal(args, kwargs, made)
+        refused = (
+            refused
+            or _subclass_refusal(tensors)
+            or _meta_dtype_refusal(args, kwargs, made)
+            or _GRAPH_CALLS.get(func)
+        )
         if refused is not None:
             call.refused = refused
         if made and not fact.factory:
@@ -560,11 +599,17 @@ class Recorder:
             call.fills = Fill.ADDED if fact.grows else Fill.RESULT
         if inputs:
             call.settings = settings.now()
+            if not torch.is_grad_enabled():
+                call.no_grad = True
         if fact.overwrites and inputs:
             call.target = inputs[0].storage
             if _covers(inputs[0], self._nbytes(inputs[0].storage)):
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
+        if drew_real and _mixes_meta(tensors):
+            # torch answers a real result of real and meta inputs (F.linear of a CPU input and
+            # a meta weight) with uninitialised memory: not eager's value, which replay computes
+            self._from_meta(call)
         if flights is not None:
             with DRAWING:
                 land(flights, draws)
@@ -582,6 +627,12 @@ class Recorder:
                 if tensor.is_meta and index in creates:
                     self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
+
+    def _from_meta(self, call: Call) -> None:
+        storages = self.program.storages
+        for storage in (*call.creates, *call.writes):
+            if storages[storage].device != "meta":
+                storages[storage].off = self._off = True
 
     def _reshaped(self, tensors: list[torch.Tensor], before: list[TensorRef]) -> None:
         """A call may have given ``tensors`` (seen as ``before``) other geometry: each gets a
@@ -829,7 +880,13 @@ class Recorder:
             return seen[1].storage
         if _storageless(tensor):
             return None
-        known = self._storages.get(tensor.untyped_storage()._cdata)
+        try:
+            storage = tensor.untyped_storage()
+        except NotImplementedError:
+            if not is_functorch_wrapped(tensor):
+                raise
+            return self._storage_index(functorch_base(tensor))
+        known = self._storages.get(storage._cdata)
         return known[0] if known is not None and not known[1].expired() else None
 
     def _placed_device(self, tensor: torch.Tensor, device: torch.device) -> None:
@@ -912,13 +969,17 @@ class Recorder:
         kwargs: dict,
         keywords: tuple[str, ...] | None = None,
     ) -> list[tuple[GeneratorTrack | None, Draw]]:
-        """Where eager's generator states are, before a random call runs."""
+        """Where eager's generator states are, before a random call runs (unknown once code
+        nobody recorded wrote meta)."""
         if not generators and keywords is None and kwargs.get("device") is None:
             track = self._default_track
             if track is not None and (not tensors or tensors[0].is_meta or tensors[0].is_cpu):
                 last = self._last_draw.get(track.stream)
                 passed = _GENERATOR_KEYWORD if fact.generator else ()
-                return [(track, before_draw(track, self.program, last, passed))]
+                first: list[tuple[GeneratorTrack | None, Draw]] = [
+                    (track, before_draw(track, self.program, last, passed))
+                ]
+                return _unknowable(first, self._unseen_meta_write)
         tracks = self._tracks(generators, tensors, kwargs)
         names = keywords or (("generator",) if fact.generator else ("",)) * len(tracks)
         grouped: dict[int, tuple[GeneratorTrack | None, str, list[str]]] = {}
@@ -933,7 +994,7 @@ class Recorder:
                 continue
             draw = before_draw(track, self.program, self._last_draw.get(track.stream), kept)
             draws.append((track, draw))
-        return draws
+        return _unknowable(draws, self._unseen_meta_write)
 
     def _append(
         self,
@@ -1128,6 +1189,18 @@ class Recorder:
                 f"would be invisible to the recording"
             )
 
+    def _gradient(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is a ``.grad``: if no recorded call made it, autograd's engine did, in
+        a backward pass of the build, and its value cannot be replayed."""
+        if self._storage_index(tensor) is not None:
+            return  # the build made it (grad = torch.zeros_like(p)) or saw it before
+        info = self.program.storages[self.ref(tensor).storage]
+        info.pinned = info.pinned or (
+            "its value comes from a gradient autograd's engine computed in a backward pass "
+            "of the build (read through .grad), which no torch call metamode records made; "
+            "run backward passes after materialize"
+        )
+
     def _value_read(self, func: Any, inputs: list[TensorRef]) -> None:
         storages = self.program.storages
         if any(storages[ref.storage].off for ref in inputs) and self.program.diverged is None:
@@ -1274,6 +1347,7 @@ class Recorder:
         for tensor, entry in self._registered:
             entry.ref = self.ref(tensor)
             entry.version = _version(tensor)
+            entry.grad = tensor.grad_fn is None and tensor.grad is not None
         versions = _real_versions(self._real, self._tensors, self._retired)
         self._tensors = {}  # what it held: the storages only they kept alive go now
         self._retired = []
@@ -1337,6 +1411,37 @@ def _numpy_array(value: Any) -> bool:
 
 
 _PARAMETRIZATION_LIST = torch.nn.utils.parametrize.ParametrizationList.__init__.__code__
+
+
+_UNSEEN_META_WRITE = (
+    "code metamode did not record (TorchScript, a C++ extension, torch functions disabled) "
+    "wrote a tensor on meta, where eager construction's code may have drawn random numbers "
+    "that meta's did not, and the recording cannot tell when: the draws from its making on "
+    "are in doubt; make such code run after materialize"
+)
+
+
+def _mixes_meta(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are on meta and off it both (``empty_like(w, device="cpu")`` reads
+    only a meta tensor's metadata: its result is eager's)."""
+    meta = [t.is_meta for t in tensors]
+    return any(meta) and not all(meta)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _custom_op_draw(fact: Fact) -> str | None:
+    if fact.custom is None:
+        return None
+    return (
+        f"it is an operator registered outside torch (namespace {fact.custom!r}), whose "
+        f"kernel torch does not say draws or not (its meta kernel draws nothing where eager's "
+        f"may): it and every later draw from that generator are refused; call it after "
+        f"materialize"
+    )
 
 
 _ASKED_META_DRAW = (
@@ -1552,6 +1657,21 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(expected)
         expected *= max(extent, 1)
     return tuple(reversed(strides))
+
+
+# calls whose result comes from the build's autograd graph, which replay (from the recorded
+# calls alone) does not build
+_GRAPH_CALLS = {
+    func: (
+        f"it was computed by {name}, from the autograd graph of the build, which replay "
+        f"does not build; compute it after materialize"
+    )
+    for func, name in [
+        (torch.autograd.grad, "torch.autograd.grad"),
+        (torch.autograd.functional.jacobian, "torch.autograd.functional.jacobian"),
+        (torch.autograd.functional.vjp, "torch.autograd.functional.vjp"),
+    ]
+}
 
 
 def _subclass_refusal(tensors: list[torch.Tensor]) -> str | None:

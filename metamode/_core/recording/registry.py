@@ -31,6 +31,7 @@ class Entry:
     # build's tensors of that storage had (which of them it shares, torch does not say)
     versions: frozenset[int] | None = None
     impl: int = 0  # the address of the registered tensor's implementation
+    grad: bool = False  # whether it had a .grad when its context exited
 
 
 # id(tensor) -> (what names it, entry). A strided tensor is named without a weak

@@ -10,9 +10,11 @@ random draws included, do not depend on them.)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from metamode._torch import nnpack_enabled
 
 __all__ = ["ProcessSettings", "now"]
 
@@ -20,12 +22,22 @@ __all__ = ["ProcessSettings", "now"]
 class ProcessSettings(NamedTuple):
     """The values of the settings; each changes some CPU kernels' bits."""
 
-    # torch.set_float32_matmul_precision: "high"/"medium" let CPU matmuls use bfloat16
+    # torch.set_float32_matmul_precision, or oneDNN's matmul fp32_precision (the newer
+    # setting, which the older one writes): "high"/"medium" let CPU matmuls use bfloat16.
+    # Named as the older setting names it; read from the newer, which both APIs set
     float32_matmul_precision: str
+    # torch.backends.mkldnn.conv.fp32_precision (or .fp32_precision of oneDNN or of torch)
+    float32_conv_precision: str
+    # torch.backends.mkldnn.rnn.fp32_precision (likewise)
+    float32_rnn_precision: str
     # torch.set_num_threads: reductions split their work by thread
     intra_op_threads: int
     # torch.backends.mkldnn.enabled: another convolution and matmul implementation
     mkldnn: bool
+    # torch.backends.mkldnn.deterministic: oneDNN's deterministic kernels
+    mkldnn_deterministic: bool
+    # torch.backends.nnpack.flags: NNPACK's convolution for some batched shapes
+    nnpack: bool
 
     def differences(self, other: ProcessSettings) -> list[str]:
         """What ``other`` sets otherwise, as ``name ours -> theirs``."""
@@ -36,10 +48,30 @@ class ProcessSettings(NamedTuple):
         ]
 
 
+# oneDNN's fp32 precision of matmuls, as torch.set_float32_matmul_precision names it
+_MATMUL_NAMES = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
+
+
+def _precision(op: Any) -> str:
+    """The fp32 precision oneDNN computes ``op`` at: the first one set of the op's own,
+    oneDNN's and torch's (``"none"`` passes the question up), else full precision."""
+    for setting in (op, torch.backends.mkldnn, torch.backends):
+        value = setting.fp32_precision
+        if value != "none":
+            return str(value)
+    return "ieee"
+
+
 def now() -> ProcessSettings:
     """The process's settings now."""
+    mkldnn: Any = torch.backends.mkldnn  # its per-op settings are untyped
+    matmul = _precision(mkldnn.matmul)
     return ProcessSettings(
-        torch.get_float32_matmul_precision(),
+        _MATMUL_NAMES.get(matmul, matmul),
+        _precision(mkldnn.conv),
+        _precision(mkldnn.rnn),
         torch.get_num_threads(),
-        bool(torch.backends.mkldnn.enabled),
+        bool(mkldnn.enabled),
+        bool(mkldnn.deterministic),
+        nnpack_enabled(),
     )

@@ -199,7 +199,8 @@ def replaying(state: ThreadState | None) -> Iterator[None]:
     """Run the block under ``state`` (torch's default for None), whatever this thread's,
     but for its flush-denormal flags, which are left alone (the plan refuses a value whose
     call flushed otherwise). Under a state with inference mode on, torch's inference mode
-    is entered too: it, not the dispatch keys, makes new tensors inference tensors."""
+    is entered too: it, not the dispatch keys, makes new tensors inference tensors. (Grad
+    mode is each call's own: ``torch.inference_mode(False)`` turns it on.)"""
     defaults = _defaults()
     inference = state is not None and state.inference
     include = DispatchKeySet.from_raw_repr(defaults[2] if inference else defaults[0])

@@ -27,7 +27,6 @@ import metamode
 from tests.unit.contexts.materialize_checks import (
     MODES,
     Built,
-    Unchanged,
     assert_exact_or_refused,
     assert_refused,
     build_eagerly,
@@ -580,13 +579,7 @@ CONTAINERS: dict[str, tuple[Callable[[nn.Module], None], Callable[[nn.Module], l
     "read-only dict subclass": (_read_only, lambda m: [dict.__getitem__(m.d, "x")]),
 }
 
-CONTAINERS_BROKEN = {
-    "read-only dict subclass": (
-        "crash: materialize raises the container's TypeError from _Installer._places "
-        "(container[key] = new) instead of refusing upfront; the undo leaves the slots as they "
-        "were"
-    ),
-}
+CONTAINERS_BROKEN: dict[str, str] = {}
 # the cause a refusal must name, where one may refuse
 CONTAINER_CAUSES = {"dict subclass computing in __getitem__": "__getitem__"}
 _BROKEN_IN_ONE_MODE: set[str] = set()  # those broken only where the held tensor is on meta
@@ -627,28 +620,26 @@ def test_a_namedtuple_holding_a_buffer_that_must_be_replaced_is_refused(include_
         assert model.nt.a is model.b
 
 
-@_xfail(
-    "crash: a dict subclass refusing __setitem__ makes materialize raise TypeError after it "
-    "began installing, not NotMaterializableError before"
-)
-def test_a_failing_container_install_changes_nothing():
+class _ReadOnlyList(list):
+    def __setitem__(self, key, value):
+        raise TypeError("read-only")
+
+
+def test_read_only_container_subclasses_get_the_installed_tensors():
     def init(m: nn.Module) -> None:
         m.l = nn.Linear(3, 3)
         m.register_buffer("b", torch.randn(3))
         held = _ReadOnly()
         dict.__setitem__(held, "x", m.b)
         m.d = held
-        m.lst = [torch.randn(2)]
+        m.lst = _ReadOnlyList([torch.randn(2), m.b])
 
+    ref = build_eagerly(lambda: Built(init))
     model = build_empty(lambda: Built(init), include_buffers=True)
-    before = Unchanged(model)
-    old = model.lst[0]
-    try:
-        metamode.materialize(model)
-    finally:
-        before.check()
-        assert model.lst[0] is old
-        assert dict.__getitem__(model.d, "x") is model.b
+    materialize_exactly(model, ref)
+    assert dict.__getitem__(model.d, "x") is model.b
+    assert list.__getitem__(model.lst, 1) is model.b
+    assert torch.equal(list.__getitem__(model.lst, 0), list.__getitem__(ref.lst, 0))
 
 
 # == 3. __slots__ of Parameter and tensor subclasses ==========================================

@@ -427,24 +427,39 @@ def test_uninitialised_memory_torch_filled_in_the_build_is_filled_by_materialize
 
 # -- process-wide settings: kept by the recording, compared at materialize ----------------
 
+
 # setting -> (set it, the value the build runs under, another value)
-_SETTINGS: dict[str, tuple[Callable[[object], None], object, object]] = {
-    "float32_matmul_precision": (torch.set_float32_matmul_precision, "medium", "highest"),
-    "intra_op_threads": (torch.set_num_threads, 1, 2),
-    "mkldnn": (lambda on: setattr(torch.backends.mkldnn, "enabled", on), False, True),
+def _attribute(owner: object, name: str) -> tuple[Callable[[], object], Callable[[object], None]]:
+    return lambda: getattr(owner, name), lambda value: setattr(owner, name, value)
+
+
+_MKLDNN = torch.backends.mkldnn
+# setting -> (its getter, its setter, a value to build under, another)
+_SETTINGS: dict[str, tuple[Callable[[], object], Callable[[object], None], object, object]] = {
+    "float32_matmul_precision": (
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+        "medium",
+        "highest",
+    ),
+    "float32_conv_precision": (*_attribute(_MKLDNN.conv, "fp32_precision"), "bf16", "ieee"),
+    "float32_rnn_precision": (*_attribute(_MKLDNN.rnn, "fp32_precision"), "bf16", "ieee"),
+    "intra_op_threads": (torch.get_num_threads, torch.set_num_threads, 1, 2),
+    "mkldnn": (*_attribute(_MKLDNN, "enabled"), False, True),
+    "mkldnn_deterministic": (*_attribute(_MKLDNN, "deterministic"), True, False),
+    "nnpack": (torch._C._get_nnpack_enabled, torch.backends.nnpack.set_flags, False, True),
 }
 
 
 @contextmanager
 def _setting(name: str, value: object) -> Iterator[None]:
-    from metamode._core.recording.settings import now
-
-    before = getattr(now(), name)
-    _SETTINGS[name][0](value)
+    get, set_, _, _ = _SETTINGS[name]
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        _SETTINGS[name][0](before)
+        set_(before)
 
 
 def _computed(m: nn.Module) -> None:
@@ -469,7 +484,7 @@ def test_every_process_setting_has_a_row():
 def test_a_process_setting_that_differs_at_materialize_refuses_computed_values(
     name, include_buffers
 ):
-    _, build_value, other = _SETTINGS[name]
+    _, _, build_value, other = _SETTINGS[name]
     with _setting(name, build_value):
         ref = build_eagerly(lambda: Built(_computed))
         model = build_empty(lambda: Built(_computed), include_buffers)
@@ -482,7 +497,7 @@ def test_a_process_setting_that_differs_at_materialize_refuses_computed_values(
 @pytest.mark.parametrize("include_buffers", MODES)
 @pytest.mark.parametrize("name", sorted(_SETTINGS))
 def test_a_process_setting_does_not_refuse_values_that_do_not_depend_on_it(name, include_buffers):
-    _, build_value, other = _SETTINGS[name]
+    _, _, build_value, other = _SETTINGS[name]
 
     def made(m: nn.Module) -> None:
         m.fc = nn.Linear(8, 8)
@@ -505,6 +520,38 @@ def test_a_process_setting_changed_and_restored_during_the_build(include_buffers
     model = build_empty(lambda: Built(changes), include_buffers)
     assert_refused(model, *_computed_names(include_buffers), because="matmul_precision")
     with _setting("float32_matmul_precision", "medium"):
+        materialize_exactly(model, ref)
+
+
+# -- grad mode in the build ----------------------------------------------------------------
+# Some CPU kernels choose their implementation by grad mode (LSTM's oneDNN kernel runs only
+# without grad), so each call is replayed under the grad mode it ran under.
+
+
+def test_lstm_takes_another_kernel_under_grad_mode():
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(4, 5), torch.ones(3, 1, 4)
+    weights = [w.detach() for w in lstm._flat_weights]
+    hx = (torch.zeros(1, 1, 5), torch.zeros(1, 1, 5))
+    runs = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            runs.append(torch.lstm(x, hx, weights, True, 1, 0.0, True, False, False)[1])
+    assert not torch.equal(*runs)
+
+
+@pytest.mark.parametrize("include_buffers", MODES)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_forward_replays_under_the_grad_mode_it_ran_under(grad, include_buffers):
+    def probed(m: nn.Module) -> None:
+        m.lstm = nn.LSTM(4, 5)
+        with torch.set_grad_enabled(grad):
+            _, (h, _) = m.lstm(torch.ones(3, 1, 4, device=m.lstm.weight_ih_l0.device))
+        m.register_buffer("probe_h", h.detach())
+
+    ref = build_eagerly(lambda: Built(probed))
+    model = build_empty(lambda: Built(probed), include_buffers)
+    with torch.set_grad_enabled(not grad):  # the caller's mode does not matter
         materialize_exactly(model, ref)
 
 
