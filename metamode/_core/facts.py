@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -349,9 +350,10 @@ def fact_of(func: Any) -> Fact:
 # Random functions that draw only for some arguments: (function, its dropout probability's
 # parameter, its training flag's parameter). Each may draw only when the flag is set (or
 # there is none) and 0 < p < 1 (ATen's dropout returns its input at p = 0 or outside
-# training, and zeros at p = 1, drawing nothing), or, with no probability, when the flag
-# is set (rrelu's noise, for its negative elements). Positions and defaults come from each
-# function's signature, or for a C function from its aten op's schema.
+# training, and zeros at p = 1, drawing nothing; an RNN's dropout runs between layers), or,
+# with no probability, when the flag is set (rrelu's noise, for its negative elements).
+# Positions and defaults come from each function's signature, or for a C function from its
+# aten op's schema.
 CONDITIONAL_DRAWS: tuple[tuple[Callable[..., Any], str | None, str | None], ...] = (
     (F.dropout, "p", "training"),
     (F.dropout1d, "p", "training"),
@@ -369,7 +371,7 @@ CONDITIONAL_DRAWS: tuple[tuple[Callable[..., Any], str | None, str | None], ...]
     (torch.feature_alpha_dropout_, "p", "train"),
     (F.scaled_dot_product_attention, "dropout_p", None),
     (F.multi_head_attention_forward, "dropout_p", "training"),
-    (torch.lstm, "dropout", "train"),
+    (torch.lstm, "dropout", "train"),  # between layers: only with num_layers > 1
     (torch.gru, "dropout", "train"),
     (torch.rnn_tanh, "dropout", "train"),
     (torch.rnn_relu, "dropout", "train"),
@@ -378,6 +380,16 @@ CONDITIONAL_DRAWS: tuple[tuple[Callable[..., Any], str | None, str | None], ...]
     (F.rrelu_, None, "training"),
     (torch.rrelu_, None, "training"),
 )
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float where it is a real number (a NumPy scalar, a real tensor of one
+    element), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.is_meta or value.numel() != 1 or value.is_complex():
+            return None
+        return float(value)
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 _DRAWLESS: dict[int, Fact] = {}
@@ -433,11 +445,15 @@ def _draw_rule(
             return kwargs[name]
         return args[index] if index < len(args) else default
 
+    layered = any("num_layers" in positions for _, positions in overloads)
+
     def draws(args: tuple, kwargs: dict) -> bool:
         if not value(flag, args, kwargs, True):
             return False
-        probability = value(p, args, kwargs, 0.5)
-        return not isinstance(probability, int | float) or 0 < probability < 1
+        if layered and value("num_layers", args, kwargs, 2) == 1:
+            return False
+        probability = _number(value(p, args, kwargs, 0.5))
+        return probability is None or 0 < probability < 1
 
     return draws
 

@@ -27,6 +27,7 @@ from metamode._core.recording.program import (
     Program,
     ProgramState,
     Start,
+    function_name,
 )
 
 __all__ = ["Key", "Plan", "Step", "Use", "plan"]
@@ -293,5 +294,4 @@ def _origin_reason(storage) -> str | None:
 
 
 def _name(call: Call) -> str:
-    func = call.func
-    return f"{getattr(func, '__module__', None) or 'torch'}.{getattr(func, '__qualname__', func)}"
+    return function_name(call.func)

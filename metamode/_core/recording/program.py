@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from metamode._torch import OpOverload, OpOverloadPacket
+
 __all__ = [
     "Call",
     "Draw",
@@ -293,3 +295,11 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def function_name(func: Any) -> str:
+    """``func`` as a message names it (``torch.nn.functional.dropout``,
+    ``torch.ops.mylib.scale``)."""
+    if isinstance(func, OpOverload | OpOverloadPacket):
+        return f"torch.ops.{func}"
+    return f"{getattr(func, '__module__', None) or 'torch'}.{getattr(func, '__qualname__', func)}"

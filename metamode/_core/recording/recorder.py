@@ -55,6 +55,7 @@ from metamode._core.recording.program import (
     Storage,
     Stream,
     TensorRef,
+    function_name,
 )
 from metamode._core.recording.streams import (
     DRAWING,
@@ -532,9 +533,9 @@ class Recorder:
         except NotImplementedError as error:
             if any(t.is_meta for t in tensors):  # a meta kernel missing: eager runs on
                 self.diverge(
-                    f"{_name(func)} raised NotImplementedError on meta ({_first_line(error)}), "
-                    f"where eager construction runs it: code that caught the error may have "
-                    f"built otherwise"
+                    f"{function_name(func)} raised NotImplementedError on meta "
+                    f"({_first_line(error)}), where eager construction runs it: code that "
+                    f"caught the error may have built otherwise"
                 )
             raise
         try:
@@ -606,9 +607,11 @@ class Recorder:
             if _covers(inputs[0], self._nbytes(inputs[0].storage)):
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
-        if drew_real and _mixes_meta(tensors):
+        if drew_real and _mixes_meta(tensors) and not any(t.is_meta for t in made):
             # torch answers a real result of real and meta inputs (F.linear of a CPU input and
-            # a meta weight) with uninitialised memory: not eager's value, which replay computes
+            # a meta weight) with uninitialised memory: not eager's value, which replay
+            # computes (a call that also made meta results, pack_padded_sequence's data, made
+            # its real ones from its real inputs)
             self._from_meta(call)
         if flights is not None:
             with DRAWING:
@@ -698,7 +701,7 @@ class Recorder:
         reads = tuple(dict.fromkeys(ref.storage for ref in inputs))
         call = Call(func, (), {}, reads, (inputs[0].storage,), (), None)
         call.refused = (
-            f"it was written by {_name(func)}(), which torch binds without an operator "
+            f"it was written by {function_name(func)}(), which torch binds without an operator "
             f"schema: what it does to the values (a Python function run over the "
             f"memory, for apply_ and map_) is neither versioned nor replayable; compute "
             f"the values with torch operations"
@@ -1173,7 +1176,7 @@ class Recorder:
                 where = f"{frame.f_code.co_qualname}" if frame is not None else "code"
                 self.diverge(
                     f"{where} read the memory address of a {_describe(tensor)} tensor on "
-                    f"meta through {_name(func)}(): every meta tensor's is 0 where eager "
+                    f"meta through {function_name(func)}(): every meta tensor's is 0 where eager "
                     f"construction's differ, so comparing them (data_ptr() == data_ptr()) "
                     f"may take another branch"
                 )
@@ -1184,7 +1187,7 @@ class Recorder:
         storage = self.program.storages[ref.storage]
         if storage.pinned is None:
             storage.pinned = (
-                f"the build handed its memory out through {_name(func)}()"
+                f"the build handed its memory out through {function_name(func)}()"
                 f"{_called_by(sys._getframe(2))}, so writes to it through what that returned "
                 f"would be invisible to the recording"
             )
@@ -1205,7 +1208,7 @@ class Recorder:
         storages = self.program.storages
         if any(storages[ref.storage].off for ref in inputs) and self.program.diverged is None:
             self.diverge(
-                f"{_name(func)} read the values of a tensor the build computed from "
+                f"{function_name(func)} read the values of a tensor the build computed from "
                 f"random numbers eager construction draws differently"
             )
 
@@ -1745,8 +1748,3 @@ def _describe(tensor: torch.Tensor) -> str:
     if isinstance(tensor, UninitializedTensorMixin):
         return "lazy module's uninitialised"
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
-
-
-def _name(func: Callable[..., Any]) -> str:
-    module = getattr(func, "__module__", None) or "torch"
-    return f"{module}.{getattr(func, '__qualname__', func)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +120,32 @@ def test_the_rule_reads_a_packed_sequences_overload(func, layer, p, training):
         module(_PACKED)
     moved = not torch.equal(torch.default_generator.get_state(), state)
     assert rules.said and all(said == moved for said in rules.said), (rules.said, moved)
+
+
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+def test_a_one_layer_rnn_draws_nothing_whatever_its_dropout(layer):
+    """An RNN's dropout runs between layers: with one, none (torch warns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = layer(4, 4, 1, dropout=0.5).train()
+    func = {nn.LSTM: torch.lstm, nn.GRU: torch.gru, nn.RNN: torch.rnn_tanh}[layer]
+    state = torch.default_generator.get_state()
+    rules = _Rules(func)
+    with torch.no_grad(), rules:
+        module(_X3)
+    assert torch.equal(torch.default_generator.get_state(), state)
+    assert rules.said == [False]
+
+
+@pytest.mark.parametrize(
+    "p",
+    [np.float32(0), np.float64(0), torch.tensor(0.0), torch.tensor(1.0), np.float32(0.5)],
+    ids=["np.float32(0)", "np.float64(0)", "tensor(0.)", "tensor(1.)", "np.float32(.5)"],
+)
+def test_a_probability_of_any_real_type_is_read(p):
+    state = torch.default_generator.get_state()
+    rules = _Rules(F.dropout)
+    with torch.no_grad(), rules:
+        F.dropout(_X4, p)
+    moved = not torch.equal(torch.default_generator.get_state(), state)
+    assert rules.said == [moved]
