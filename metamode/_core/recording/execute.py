@@ -131,7 +131,10 @@ class _Run:
                         storage = scratch[value.storage] = torch.UntypedStorage(nbytes)
                         if not draws_only:
                             self.env[(serial, value.storage)] = storage
-                return _view(storage, value)
+                tensor = _view(storage, value)
+                if any(value is ref for ref in call.requires_grad):
+                    tensor.requires_grad_()  # as eager's was: some kernels choose by it
+                return tensor
             if kind is tuple or kind is list:
                 return kind(decode(v) for v in value)
             if kind is dict:

@@ -184,6 +184,9 @@ class Call:
     # grad mode was off when it computed from tensor values (some CPU kernels choose their
     # implementation by it: LSTM's oneDNN one runs only without grad)
     no_grad: bool = False
+    # the arguments that required grad then, for a call that wrote none (matmul folds its
+    # batch dimensions only when its second argument does not)
+    requires_grad: tuple[TensorRef, ...] = ()
 
     def __init__(
         self,

@@ -602,6 +602,10 @@ class Recorder:
             call.settings = settings.now()
             if not torch.is_grad_enabled():
                 call.no_grad = True
+            if not written:
+                grads = tuple([r for t, r in zip(tensors, inputs, strict=True) if t.requires_grad])
+                if grads:
+                    call.requires_grad = grads
         if fact.overwrites and inputs:
             call.target = inputs[0].storage
             if _covers(inputs[0], self._nbytes(inputs[0].storage)):

@@ -905,19 +905,12 @@ OUTCOMES: dict[str, dict[bool, Outcome]] = {
     "probe MultiheadAttention dropout in training": {
         True: Outcome(REFUSED, "multi_head_attention_forward")
     },
-    "probe MultiheadAttention in eval": {
-        True: broken(
-            "silently wrong: torch's fast path (_native_multi_head_attention) runs only when "
-            "all((x.device.type in ('cpu', 'cuda', ...)) for x in tensor_args), a device branch "
-            "in a generator expression the recorder does not follow: meta takes the slow path "
-            "(and a replay of the slow path differs from eager's slow path too: not found yet)",
-            "fast path|device",
-        )
-    },
     "probe TransformerEncoderLayer in eval": {
         True: broken(
-            "silently wrong: the encoder layer's fast path (_transformer_encoder_layer_fwd) "
-            "is chosen by a device check in a generator expression; meta takes the slow path",
+            "silently wrong: the encoder layer's fused fast path "
+            "(torch._transformer_encoder_layer_fwd) runs for CPU tensors in eval mode, chosen "
+            "by a device check in a generator expression the follow does not enter; on meta "
+            "the build takes the slow path, and the bits differ",
             "fast path|device",
         )
     },
@@ -1058,3 +1051,51 @@ def test_a_custom_op_is_refused_naming_its_namespace():
     draws: what it computes is refused, naming the operator's namespace."""
     model = build_empty(lambda: Built(_custom_op_unsaid_mutation), include_buffers=True)
     assert_refused(model, "c", because="namespace 'metamode_test_beyond'")
+
+
+# == requires_grad of a call's arguments ======================================================
+
+
+def test_matmul_takes_another_path_when_its_weight_requires_grad():
+    """torch folds a 3-d input's batch dimensions into one matmul only when the weight does
+    not require grad (``should_fold``), even under ``no_grad``: the bits differ."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(128, 64, requires_grad=True), torch.randn(2, 7, 64).transpose(1, 0)
+    with torch.no_grad():
+        assert not torch.equal(F.linear(x, weight), F.linear(x, weight.detach()))
+
+
+def _linear_of_a_transposed_probe(m: nn.Module) -> None:
+    m.proj = nn.Linear(64, 128)
+    x = torch.randn(2, 7, 64, device=m.proj.weight.device)
+    with torch.no_grad():
+        m.register_buffer("probe", F.linear(x.transpose(1, 0), m.proj.weight))
+    m.after = nn.Linear(4, 4)
+
+
+def _attention(batch_first: bool, grad: bool, cross: bool) -> Callable[[nn.Module], None]:
+    def init(m: nn.Module) -> None:
+        m.attn = nn.MultiheadAttention(64, 4, batch_first=batch_first).eval()
+        x = torch.randn(2, 7, 64, device=m.attn.in_proj_weight.device)
+        key = x + 1 if cross else x
+        with torch.set_grad_enabled(grad):
+            out, _ = m.attn(x, key, key)
+        m.register_buffer("probe_out", out.detach().contiguous())
+
+    return init
+
+
+@pytest.mark.parametrize("include_buffers", [True])
+@pytest.mark.parametrize(
+    "init",
+    [
+        pytest.param(_linear_of_a_transposed_probe, id="linear of a transposed input"),
+        pytest.param(_attention(True, False, False), id="attention batch_first"),
+        pytest.param(_attention(True, True, True), id="attention cross, grad enabled"),
+        pytest.param(_attention(False, False, True), id="attention cross"),
+    ],
+)
+def test_a_call_replays_with_the_requires_grad_its_arguments_had(init, include_buffers):
+    ref = build_eagerly(lambda: Built(init))
+    model = build_empty(lambda: Built(init), include_buffers)
+    materialize_exactly(model, ref)
