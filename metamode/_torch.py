@@ -50,6 +50,9 @@ private name                                     public alternative
 ``torch._ops.OpOverloadPacket``                  none: the type of ``torch.ops.aten.<op>``
 ``torch._utils._rebuild_meta_tensor_no_storage`` none: what unpickling a meta tensor calls
 ``torch._C._get_nnpack_enabled``                 none: ``torch.backends.nnpack.flags`` sets it
+``torch._C._get_fp32_precision_getter``,         ``torch.backends.mkldnn.matmul.fp32_precision``
+``_get_mkldnn_enabled``,                         and the like, which add Python frames to
+``_get_mkldnn_deterministic``                    each read (the recorder reads them per call)
 ``torch.utils._python_dispatch.``                none: a ``TorchDispatchMode``'s
 ``_disable_current_modes``, ``torch._ops.``      ``__exit__`` must nest like ``with`` (the
 ``_len_torch_dispatch_stack_pre_dispatch``       caller's modes are set aside for a while)
@@ -249,9 +252,13 @@ def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ..
     return tuple(shape), tuple(offset)
 
 
-def nnpack_enabled() -> bool:
-    """Whether NNPACK's convolutions may run (``torch.backends.nnpack.set_flags``)."""
-    return bool(torch._C._get_nnpack_enabled())
+# Process-wide numeric settings (recording/settings.py): NNPACK's convolutions, oneDNN's
+# kernels, oneDNN's deterministic mode, and the fp32 precision of a backend's op ("none":
+# the next one up decides).
+nnpack_enabled: Callable[[], bool] = torch._C._get_nnpack_enabled
+mkldnn_enabled: Callable[[], bool] = torch._C._get_mkldnn_enabled
+mkldnn_deterministic: Callable[[], bool] = torch._C._get_mkldnn_deterministic
+fp32_precision: Callable[[str, str], str] = torch._C._get_fp32_precision_getter
 
 
 @contextlib.contextmanager

@@ -10,11 +10,16 @@ random draws included, do not depend on them.)
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from metamode._torch import nnpack_enabled
+from metamode._torch import (
+    fp32_precision,
+    mkldnn_deterministic,
+    mkldnn_enabled,
+    nnpack_enabled,
+)
 
 __all__ = ["ProcessSettings", "now"]
 
@@ -52,26 +57,25 @@ class ProcessSettings(NamedTuple):
 _MATMUL_NAMES = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
 
 
-def _precision(op: Any) -> str:
-    """The fp32 precision oneDNN computes ``op`` at: the first one set of the op's own,
-    oneDNN's and torch's (``"none"`` passes the question up), else full precision."""
-    for setting in (op, torch.backends.mkldnn, torch.backends):
-        value = setting.fp32_precision
-        if value != "none":
-            return str(value)
-    return "ieee"
-
-
 def now() -> ProcessSettings:
-    """The process's settings now."""
-    mkldnn: Any = torch.backends.mkldnn  # its per-op settings are untyped
-    matmul = _precision(mkldnn.matmul)
+    """The process's settings now. The fp32 precision oneDNN computes an op at is the first
+    one set of the op's own, oneDNN's and torch's (``"none"`` passes the question up), else
+    full precision."""
+    inherited = fp32_precision("mkldnn", "all")
+    if inherited == "none":
+        inherited = fp32_precision("generic", "all")
+    if inherited == "none":
+        inherited = "ieee"
+    matmul = fp32_precision("mkldnn", "matmul")
+    conv = fp32_precision("mkldnn", "conv")
+    rnn = fp32_precision("mkldnn", "rnn")
+    matmul = inherited if matmul == "none" else matmul
     return ProcessSettings(
         _MATMUL_NAMES.get(matmul, matmul),
-        _precision(mkldnn.conv),
-        _precision(mkldnn.rnn),
+        inherited if conv == "none" else conv,
+        inherited if rnn == "none" else rnn,
         torch.get_num_threads(),
-        bool(mkldnn.enabled),
-        bool(mkldnn.deterministic),
+        mkldnn_enabled(),
+        mkldnn_deterministic(),
         nnpack_enabled(),
     )
