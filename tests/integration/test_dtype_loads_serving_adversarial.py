@@ -55,6 +55,9 @@ from tests.integration.test_dtype_loads_server_idioms import (
     _outcome,
     _until,
 )
+from tests.integration.test_dtype_loads_server_idioms import (
+    _classes as _server_classes,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"), pytest.mark.per_interpreter]
 
@@ -71,23 +74,7 @@ _TINY_LLAMA = {
 def _classes() -> SimpleNamespace:
     """Model classes defined once per process."""
     from diffusers import AutoencoderKL
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    class SeededLlamaConfig(LlamaConfig):
-        model_type = "metamode-serving-seeded-llama"
-
-    class SeededLlama(LlamaForCausalLM):
-        """Seeds the generator first thing in its constructor (inside its dtype window), so
-        its random weights do not depend on draws another thread made before."""
-
-        config_class = SeededLlamaConfig
-
-        def __init__(self, config: Any) -> None:
-            torch.manual_seed(5)
-            super().__init__(config)
-
-    AutoConfig.register(SeededLlamaConfig.model_type, SeededLlamaConfig, exist_ok=True)
-    AutoModelForCausalLM.register(SeededLlamaConfig, SeededLlama, exist_ok=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     class WithVaeConfig(LlamaConfig):
         model_type = "metamode-llama-with-vae"
@@ -150,7 +137,7 @@ def _classes() -> SimpleNamespace:
                 torch.set_default_dtype(previous)
 
     return SimpleNamespace(
-        SeededLlamaConfig=SeededLlamaConfig,
+        SeededLlamaConfig=_server_classes().SeededLlamaConfig,  # registered there
         WithVaeConfig=WithVaeConfig,
         LlamaWithVae=LlamaWithVae,
         CachedEncoderLlama=CachedEncoderLlama,
