@@ -489,22 +489,8 @@ PAIRS = {
     ),
 }  # fmt: skip
 
-_PAIR_DEFECTS: dict[str, str] = {}
 
-
-def _pairs() -> list[Any]:
-    return [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_PAIR_DEFECTS[name]),
-        )
-        if name in _PAIR_DEFECTS
-        else name
-        for name in PAIRS
-    ]
-
-
-@pytest.mark.parametrize("pair", _pairs())
+@pytest.mark.parametrize("pair", list(PAIRS))
 def test_a_forced_pair_of_serving_idioms_each_builds_a_lone_calls_model(saved, all_shims, pair):
     """Both results are the lone calls' (an idiom that raises raises as alone), the process is
     left as it was, and A found B where the interleaving puts it."""

@@ -132,7 +132,7 @@ class _Run:
                         if not draws_only:
                             self.env[(serial, value.storage)] = storage
                 tensor = _view(storage, value)
-                if any(value is ref for ref in call.requires_grad):
+                if call.requires_grad and any(value is ref for ref in call.requires_grad):
                     tensor.requires_grad_()  # as eager's was: some kernels choose by it
                 return tensor
             if kind is tuple or kind is list:

@@ -1670,14 +1670,14 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 # calls alone) does not build
 _GRAPH_CALLS = {
     func: (
-        f"it was computed by {name}, from the autograd graph of the build, which replay "
-        f"does not build; compute it after materialize"
+        f"it was computed by {function_name(func)}, from the autograd graph of the build, "
+        f"which replay does not build; compute it after materialize"
     )
-    for func, name in [
-        (torch.autograd.grad, "torch.autograd.grad"),
-        (torch.autograd.functional.jacobian, "torch.autograd.functional.jacobian"),
-        (torch.autograd.functional.vjp, "torch.autograd.functional.vjp"),
-    ]
+    for func in (
+        torch.autograd.grad,
+        torch.autograd.functional.jacobian,
+        torch.autograd.functional.vjp,
+    )
 }
 
 

@@ -66,16 +66,19 @@ def now() -> ProcessSettings:
         inherited = fp32_precision("generic", "all")
     if inherited == "none":
         inherited = "ieee"
-    matmul = fp32_precision("mkldnn", "matmul")
-    conv = fp32_precision("mkldnn", "conv")
-    rnn = fp32_precision("mkldnn", "rnn")
-    matmul = inherited if matmul == "none" else matmul
+    matmul = _onednn(inherited, "matmul")
     return ProcessSettings(
         _MATMUL_NAMES.get(matmul, matmul),
-        inherited if conv == "none" else conv,
-        inherited if rnn == "none" else rnn,
+        _onednn(inherited, "conv"),
+        _onednn(inherited, "rnn"),
         torch.get_num_threads(),
         mkldnn_enabled(),
         mkldnn_deterministic(),
         nnpack_enabled(),
     )
+
+
+def _onednn(inherited: str, op: str) -> str:
+    """oneDNN's fp32 precision of ``op``: its own, else ``inherited``."""
+    own = fp32_precision("mkldnn", op)
+    return inherited if own == "none" else own
