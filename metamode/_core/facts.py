@@ -41,10 +41,12 @@ __all__ = [
     "UNSTATED_WRITES",
     "UNVERSIONED_SELF_WRITES",
     "VALUE_WRITING_METHOD_NAMES",
+    "FUSED_FAST_PATHS",
     "Fact",
     "MetaShortcut",
     "UnversionedWrites",
     "fact_of",
+    "fused_fast_path",
     "meta_branch",
     "meta_shortcut",
     "reads_meta_only_to_warn",
@@ -380,6 +382,54 @@ CONDITIONAL_DRAWS: tuple[tuple[Callable[..., Any], str | None, str | None], ...]
     (F.rrelu_, None, "training"),
     (torch.rrelu_, None, "training"),
 )
+
+
+# torch modules whose forward takes a fused kernel (eager's path for CPU tensors in eval
+# mode) only where torch.overrides.has_torch_function finds no torch-function behaviour in
+# its arguments, which any TorchFunctionMode on the thread's stack, the recorder's among
+# them, turns True: (forward, the local in which it keeps its reason for the slow path, the
+# attributes of the module its fused call needs besides). The slow path's result differs
+# from the fused one in its last bits.
+FUSED_FAST_PATHS: tuple[tuple[Callable[..., Any], str, tuple[str, ...]], ...] = (
+    (torch.nn.MultiheadAttention.forward, "why_not_fast_path", ("in_proj_bias", "in_proj_weight")),
+    (torch.nn.TransformerEncoderLayer.forward, "why_not_sparsity_fast_path", ()),
+    (torch.nn.TransformerEncoder.forward, "why_not_sparsity_fast_path", ()),
+)
+_HAS_TORCH_FUNCTION = "some Tensor argument has_torch_function"
+
+
+@functools.cache
+def _fused_fast_paths() -> dict[CodeType, tuple[str, tuple[str, ...]]]:
+    return {forward.__code__: (reason, needs) for forward, reason, needs in FUSED_FAST_PATHS}
+
+
+def fused_fast_path(frame: FrameType | None) -> str | None:
+    """The name of a :data:`FUSED_FAST_PATHS` forward running on the stack from ``frame``
+    that took its slow path because ``has_torch_function`` said so, where eager
+    construction, with no torch function mode, takes the fused kernel (its later check,
+    grad enabled with an argument requiring it, and the attributes its fused call needs,
+    not stopping it), if any."""
+    paths = _fused_fast_paths()
+    while frame is not None:
+        path = paths.get(frame.f_code)
+        if path is not None and _takes_fused_kernel(frame.f_locals, *path):
+            return frame.f_code.co_qualname
+        frame = frame.f_back
+    return None
+
+
+def _takes_fused_kernel(values: Any, reason: str, needs: tuple[str, ...]) -> bool:
+    if values.get(reason) != _HAS_TORCH_FUNCTION:
+        return False
+    module = values.get("self")
+    if any(getattr(module, name, None) is None for name in needs):
+        return False
+    arguments = values.get("tensor_args")
+    return not (
+        arguments is not None
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in arguments)
+    )
 
 
 def _number(value: Any) -> float | None:

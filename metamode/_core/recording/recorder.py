@@ -32,6 +32,7 @@ from metamode._core.facts import (
     Fact,
     drawless,
     fact_of,
+    fused_fast_path,
     meta_branch,
     meta_shortcut,
     reads_meta_only_to_warn,
@@ -62,7 +63,7 @@ from metamode._core.recording.streams import (
     Flight,
     GeneratorTrack,
     before_draw,
-    drawn_past_marker,
+    drawn_from_marker,
     land,
     mark,
     take_off,
@@ -167,6 +168,8 @@ class Recorder:
         # held until the context exits: a weak reference would stop swap_tensors
         self._registered: list[tuple[torch.Tensor, registry.Entry]] = []
         self._default_track: GeneratorTrack | None = None
+        # the default generator as the recording found it (see _close)
+        self._default_at_start = drawn_from_marker(torch.default_generator)
         # storage -> the storages registered views were cut apart from (or into)
         self._views: dict[int, set[int]] = {}
         self._memory = ExternalMemory()  # storages whose memory torch does not own
@@ -183,6 +186,8 @@ class Recorder:
         self._placed_devices: dict[int, torch.device] = {}
         # why every later draw has an unknown start, once code nobody recorded wrote meta
         self._unseen_meta_write: str | None = None
+        # storage -> how its value left eager's, where not by a shifted stream
+        self._off_why: dict[int, str] = {}
 
     # -- storages and tensors -----------------------------------------------------------
     def _new_storage(
@@ -590,6 +595,8 @@ class Recorder:
             or _meta_dtype_refusal(args, kwargs, made)
             or _GRAPH_CALLS.get(func)
         )
+        fused = _fused_fast_path_refusal()
+        refused = refused or fused
         if refused is not None:
             call.refused = refused
         if made and not fact.factory:
@@ -611,12 +618,14 @@ class Recorder:
             if _covers(inputs[0], self._nbytes(inputs[0].storage)):
                 call.covers = call.target
         drew_real = not skipped and any(not t.is_meta for t in (*written, *made))
+        if fused is not None and drew_real:  # computed for real, on another path than eager's
+            self._not_eagers(call, f"computed on another kernel path than eager's ({fused})")
         if drew_real and _mixes_meta(tensors) and not any(t.is_meta for t in made):
             # torch answers a real result of real and meta inputs (F.linear of a CPU input and
             # a meta weight) with uninitialised memory: not eager's value, which replay
             # computes (a call that also made meta results, pack_padded_sequence's data, made
             # its real ones from its real inputs)
-            self._from_meta(call)
+            self._not_eagers(call)
         if flights is not None:
             with DRAWING:
                 land(flights, draws)
@@ -635,11 +644,15 @@ class Recorder:
                     self._memory.alias(index, storage, _foreign(args, kwargs))
         return result
 
-    def _from_meta(self, call: Call) -> None:
+    def _not_eagers(self, call: Call, why: str | None = None) -> None:
+        """``call``'s real results are not eager's values (``why``: how, if not drawn from
+        another stream state)."""
         storages = self.program.storages
         for storage in (*call.creates, *call.writes):
             if storages[storage].device != "meta":
                 storages[storage].off = self._off = True
+                if why is not None:
+                    self._off_why[storage] = why
 
     def _reshaped(self, tensors: list[torch.Tensor], before: list[TensorRef]) -> None:
         """A call may have given ``tensors`` (seen as ``before``) other geometry: each gets a
@@ -1022,6 +1035,10 @@ class Recorder:
                     state, call.func, tensors
                 )
         off = self._off and any(storages[read].off for read in call.reads)
+        # how a value read off eager's left it, where not by a shifted stream
+        why = None
+        if off and self._off_why:
+            why = next((self._off_why[r] for r in call.reads if r in self._off_why), None)
         if draws:
             index = len(program.calls)
             for track, draw in draws:
@@ -1042,6 +1059,8 @@ class Recorder:
                 self._written(storage)
             if off and storages[storage].device != "meta":
                 storages[storage].off = self._off = True
+                if why is not None:
+                    self._off_why[storage] = why
         if self._memory.active:
             for storage in call.writes:
                 self._memory.written(storage)
@@ -1049,6 +1068,8 @@ class Recorder:
             for storage in call.creates:
                 if storages[storage].device != "meta":
                     storages[storage].off = self._off = True
+                    if why is not None:
+                        self._off_why[storage] = why
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))
@@ -1099,7 +1120,9 @@ class Recorder:
             if track is None:
                 stream = Stream(len(self.program.streams), generator is torch.default_generator)
                 self.program.streams.append(stream)
-                track = self._generators[id(generator)] = GeneratorTrack(generator, stream.index)
+                track = self._generators[id(generator)] = GeneratorTrack(
+                    generator, stream.index, at_start=drawn_from_marker(generator)
+                )
                 if generator is torch.default_generator:
                     self._default_track = track
             tracks.append((track, ""))
@@ -1210,10 +1233,12 @@ class Recorder:
 
     def _value_read(self, func: Any, inputs: list[TensorRef]) -> None:
         storages = self.program.storages
-        if any(storages[ref.storage].off for ref in inputs) and self.program.diverged is None:
+        off = [ref.storage for ref in inputs if storages[ref.storage].off]
+        if off and self.program.diverged is None:
+            how = next((self._off_why[s] for s in off if s in self._off_why), None)
             self.diverge(
-                f"{function_name(func)} read the values of a tensor the build computed from "
-                f"random numbers eager construction draws differently"
+                f"{function_name(func)} read the values of a tensor the build "
+                + (how or "computed from random numbers eager construction draws differently")
             )
 
     def diverge(self, why: str) -> None:
@@ -1343,13 +1368,21 @@ class Recorder:
 
     def _close(self) -> None:
         program = self.program
-        if any(drawn_past_marker(track) for track in self._generators.values()):
+        found = {
+            id(track.generator): (track.generator, track.at_start)
+            for track in self._generators.values()
+        }
+        found[id(torch.default_generator)] = (torch.default_generator, self._default_at_start)
+        if any(
+            (now := drawn_from_marker(generator)) is not None and now != at_start
+            for generator, at_start in found.values()
+        ):
             self.diverge(
-                "its generator was drawn from after the build's last recorded draw by code "
-                "metamode did not record (another thread, or torch functions disabled), from "
-                "the marker state a draw skipped on meta left it in, where eager "
-                "construction's state differs: what that code made from it is not eager's, "
-                "and the recording cannot tell which tensors those are"
+                "its generator was drawn from by code metamode did not record (another "
+                "thread, or torch functions disabled) after the recording's last look at it, "
+                "from a marker state a draw skipped on meta left it in (in this build or an "
+                "earlier one), where eager construction's state differs: what that code made "
+                "from it is not eager's, and the recording cannot tell which tensors those are"
             )
         for tensor, entry in self._registered:
             entry.ref = self.ref(tensor)
@@ -1664,6 +1697,18 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(expected)
         expected *= max(extent, 1)
     return tuple(reversed(strides))
+
+
+def _fused_fast_path_refusal() -> str | None:
+    forward = fused_fast_path(sys._getframe())
+    if forward is None:
+        return None
+    return (
+        f"it was computed in {forward}, which eager construction runs as torch's fused "
+        f"kernel but a torch function mode, the recording's among them, turns to its slow "
+        f"path (torch.overrides.has_torch_function), whose last bits differ; run the "
+        f"forward after materialize"
+    )
 
 
 # calls whose result comes from the build's autograd graph, which replay (from the recorded

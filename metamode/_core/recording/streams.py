@@ -36,7 +36,7 @@ __all__ = [
     "Flight",
     "GeneratorTrack",
     "before_draw",
-    "drawn_past_marker",
+    "drawn_from_marker",
     "land",
     "mark",
     "replayed",
@@ -83,6 +83,8 @@ class GeneratorTrack:
     generator: torch.Generator
     stream: int
     marker: int | None = None  # the marker this recording set last
+    # drawn_from_marker when the recording first saw it
+    at_start: bytes | None = None
 
 
 def _state_bytes(generator: torch.Generator, size: int | None = None) -> bytes:
@@ -107,6 +109,7 @@ def _learn_fresh_header() -> tuple[int, bytes] | None:
 
 
 _FRESH_HEADER = _learn_fresh_header()
+_HEADER = ctypes.c_char * 16  # the fresh header's bytes, after the seed's 8
 _SCRATCH = torch.Generator()
 
 
@@ -114,8 +117,8 @@ def _fresh(generator: torch.Generator, seed: int) -> bool:
     """Whether ``generator``, seeded with ``seed`` (its ``initial_seed()``), drew nothing
     since."""
     if _FRESH_HEADER is not None:
-        size, header = _FRESH_HEADER
-        return _state_bytes(generator, size)[8:] == header
+        state = generator.get_state()
+        return _HEADER.from_address(state.data_ptr() + 8).raw == _FRESH_HEADER[1]
     with _LOCK:
         _SCRATCH.manual_seed(seed)
         return _state_bytes(generator) == _state_bytes(_SCRATCH)
@@ -276,13 +279,16 @@ def _overlaps(generator: torch.Generator) -> bool:
     return bool(others)
 
 
-def drawn_past_marker(track: GeneratorTrack) -> bool:
-    """Whether ``track``'s generator drew from the marker state this recording set last,
-    through code the recording did not see."""
-    generator, marker = track.generator, track.marker
-    return (
-        marker is not None and generator.initial_seed() == marker and not _fresh(generator, marker)
-    )
+def drawn_from_marker(generator: torch.Generator) -> bytes | None:
+    """``generator``'s state if code nobody recorded drew from a marker state (of any build,
+    live or gone) since a recorder set it there, else None: compared at a build's end with
+    the same read at its start, a change is a draw of the build's that no one recorded."""
+    seed = generator.initial_seed()
+    if seed not in _MARKERS and not _dead_marker(seed):
+        return None
+    if _fresh(generator, seed):
+        return None
+    return _state_bytes(generator)
 
 
 def mark(track: GeneratorTrack, program: Program, call: int) -> None:

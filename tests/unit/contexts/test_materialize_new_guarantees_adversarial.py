@@ -46,7 +46,7 @@ from tests.unit.contexts.thread_checks import run_threads as _run
 from tests.unit.contexts.thread_checks import switching_often as _switching_often
 
 _HANG_S = 5.0  # how long a case that could deadlock is given before it counts as hung
-_DRAWN_PAST = "drawn from after the build's last recorded draw"
+_DRAWN_PAST = "drawn from by code metamode did not record"
 
 
 class Built(nn.Module):
