@@ -9,7 +9,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -344,6 +344,17 @@ def _fixed_place(slot: _Slot) -> str | None:
     return None
 
 
+def _shifted_in_place(entry: recording.Entry | None, tensor: torch.Tensor) -> bool:
+    """Whether real ``tensor`` is the real tensor ``entry`` registered, given other memory
+    in place (a cast) while it held values not eager's (drawn from a shifted stream). A
+    meta one cannot be given real memory in place: a real tensor at its address is another
+    one, put there after it was gone."""
+    if entry is None or entry.ref is None or entry.installed or entry.impl != tensor._cdata:
+        return False
+    storage = entry.program.storages[entry.ref.storage]
+    return storage.device != "meta" and (storage.off or entry.program.diverged is not None)
+
+
 def _grad_from_the_build(entry: recording.Entry, tensor: torch.Tensor) -> str | None:
     """Why ``tensor``'s ``.grad`` cannot be given its eager value, if it has one the build
     set (a meta backward after the block leaves one eager does not have: dropped)."""
@@ -355,9 +366,14 @@ def _grad_from_the_build(entry: recording.Entry, tensor: torch.Tensor) -> str | 
     return None
 
 
-def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
-    """Every slot of ``module`` with why it is refused, and the plan for the wanted ones."""
+def _survey(
+    module: nn.Module, elsewhere: Sequence[tuple[Any, str]] = ()
+) -> tuple[list[_Slot], recording.Plan | None]:
+    """Every slot of ``module`` with why it is refused, and the plan for the wanted ones
+    (``elsewhere``: more places its one tensor is held)."""
     slots = _slots(module)
+    for slot in slots:
+        slot.homes.extend(elsewhere)
     _find_entries(slots)
     for slot in slots:
         entry, tensor = slot.entry, slot.tensor
@@ -365,6 +381,8 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
             continue  # materialize puts an uninitialised one on the device
         if entry is None:
             homes = [recording.home(home, name) for home, name in slot.homes]
+            if not tensor.is_meta and not any(_shifted_in_place(e, tensor) for e in homes):
+                continue  # put there after the block (a load, a cast of eager's value): kept
             if any(e is not None and e.impl == tensor._cdata for e in homes):
                 slot.reason = (
                     "its memory was replaced after the block, in place (.data =, as "
@@ -372,7 +390,7 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
                     "longer holds what its empty_weights block registered; materialize "
                     "first, then cast"
                 )
-            elif tensor.is_meta and any(homes):
+            elif any(homes):
                 slot.reason = (
                     "it is not the tensor its empty_weights block registered there: it was "
                     "replaced after the block (a cast such as module.half() puts a new "
@@ -380,14 +398,14 @@ def _survey(module: nn.Module) -> tuple[list[_Slot], recording.Plan | None]:
                     "set_swap_module_params_on_conversion(True); or an assignment); "
                     "materialize first, then cast"
                 )
-            elif tensor.is_meta and slot.kind == "attribute":
+            elif slot.kind == "attribute":
                 slot.reason = (
                     "the module holds this meta tensor as an attribute, and no "
                     "metamode.empty_weights(replayable=True) recording made it (made under "
                     "torch.device('meta') or a non-replayable context, or assigned after "
                     "the context?); make it inside the context, or after materialize"
                 )
-            elif tensor.is_meta:
+            else:
                 slot.reason = (
                     "it was not registered inside a metamode.empty_weights(replayable=True) "
                     "context (built under torch.device('meta') or a non-replayable context, "
@@ -477,15 +495,17 @@ def unreproducible(module: nn.Module) -> dict[str, str]:
 
 def is_materializable(obj: nn.Module | torch.Tensor) -> bool:
     """Whether :func:`materialize` can give ``obj`` (every meta tensor, for a module) its
-    eager values: the same checks, nothing allocated."""
-    if isinstance(obj, torch.Tensor):
-        holder = nn.Module()
-        table = holder._parameters if isinstance(obj, nn.Parameter) else holder._buffers
-        table["tensor"] = obj  # type: ignore[assignment]
-        return is_materializable(holder)
+    eager values: the same checks, nothing allocated. A tensor is judged as materialize of
+    the modules holding it judges it."""
+    elsewhere: list[tuple[Any, str]] = []
+    if isinstance(obj, torch.Tensor):  # judged where the modules holding it hold it
+        tensor, obj = obj, nn.Module()
+        table = obj._parameters if isinstance(tensor, nn.Parameter) else obj._buffers
+        table["tensor"] = tensor  # type: ignore[assignment]
+        elsewhere = recording.homes_holding(tensor)
     # metamode's own work: not an open build's, nor the caller's modes' or transforms'
     with _torch.DisableTorchFunction(), _torch.callers_modes_set_aside():
-        slots, _ = _survey(obj)
+        slots, _ = _survey(obj, elsewhere)
     return all(slot.reason is None for slot in slots)
 
 
@@ -731,6 +751,10 @@ class _Installer:
     def _put(self, slot: _Slot, value: torch.Tensor) -> torch.Tensor:
         """Install ``value`` for ``slot``; returns the tensor that now holds it."""
         tensor = slot.tensor
+        entry = slot.entry
+        if entry is not None and not entry.installed:  # what its slots hold now is eager's
+            entry.installed = True
+            self._undo.append(functools.partial(setattr, entry, "installed", False))
         if slot.kind == "parameter":
             held = recording.forget(tensor)  # swap_tensors refuses a weakly referenced tensor
             if held is not None:

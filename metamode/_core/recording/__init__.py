@@ -17,6 +17,7 @@ from metamode._core.recording.registry import (
     entry,
     forget,
     home,
+    homes_holding,
     remember,
     weakly_held_elsewhere,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "execute",
     "forget",
     "home",
+    "homes_holding",
     "plan",
     "remember",
     "weakly_held_elsewhere",

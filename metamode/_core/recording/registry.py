@@ -15,7 +15,16 @@ from metamode._core.recording.held import Named
 from metamode._core.recording.program import Program, TensorRef
 from metamode._torch import DisableTorchFunction
 
-__all__ = ["Entry", "add", "entry", "forget", "home", "sweep", "weakly_held_elsewhere"]
+__all__ = [
+    "Entry",
+    "add",
+    "entry",
+    "forget",
+    "home",
+    "homes_holding",
+    "sweep",
+    "weakly_held_elsewhere",
+]
 
 
 @dataclass(slots=True)
@@ -32,6 +41,7 @@ class Entry:
     versions: frozenset[int] | None = None
     impl: int = 0  # the address of the registered tensor's implementation
     grad: bool = False  # whether it had a .grad when its context exited
+    installed: bool = False  # a materialize put its eager value where it was registered
 
 
 # id(tensor) -> (what names it, entry). A strided tensor is named without a weak
@@ -130,6 +140,23 @@ def home(module: Any, name: str) -> Entry | None:
     if held is None or held[0]() is not module:
         return None
     return held[1].get(name)
+
+
+def homes_holding(tensor: torch.Tensor) -> list[tuple[Any, str]]:
+    """``(module, name)`` of each module that holds ``tensor`` as a parameter or buffer under
+    a name a replayable block registered a tensor there."""
+    with _LOCK:
+        homes = list(_HOMES.values())
+    found = []
+    for module_ref, names in homes:
+        module = module_ref()
+        if module is None:
+            continue
+        for name in list(names):
+            held = module._parameters.get(name, module._buffers.get(name))
+            if held is tensor:
+                found.append((module, name))
+    return found
 
 
 def weakly_held_elsewhere(tensor: torch.Tensor) -> bool:

@@ -4,8 +4,9 @@ A change the replay cannot reproduce (an in-place write, which bumps a tensor's 
 counter; a dtype change) refuses the tensors it touched, upfront, instead of being discarded
 or failing half-way. Changes that leave values alone (``requires_grad``, a tie, a conversion
 to the dtype a tensor already has, tensors loaded with ``assign=True``) are kept. Writes
-through ``.data`` after the block, and BatchNorm's running-stat updates, do not bump version
-counters, so they are not tested here.
+through ``.data`` after the block (``w.data.fill_``), and BatchNorm's running-stat updates, do
+not bump version counters, so they are not tested here; other memory put in with ``.data =``
+is.
 """
 
 from __future__ import annotations
@@ -244,3 +245,34 @@ def test_a_deepcopy_after_the_block_is_exact_or_refused_and_the_original_stays_e
     copied = copy.deepcopy(model)
     assert_exact_or_refused(copied, ref, "0.weight")
     materialize_exactly(model, ref)
+
+
+class _BufferAfterALayer(nn.Module):
+    """A layer whose init draws, then a buffer: params-only, ``steps`` is real and exact,
+    ``noise`` real but drawn from the stream the skipped draws shifted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+        self.register_buffer("steps", torch.arange(3.0))
+        self.register_buffer("noise", torch.randn(3))
+
+
+def test_a_real_value_given_loaded_memory_in_place_is_kept():
+    """``.data =`` keeps the implementation the block registered: where its value was
+    eager's, what is put there after the block is a load, kept."""
+    ref = build_eagerly(_BufferAfterALayer)
+    model = build_empty(_BufferAfterALayer, include_buffers=False)
+    for m in (ref, model):
+        m.steps.data = torch.full((3,), 7.0)
+    materialize_exactly(model, ref)
+
+
+def test_a_value_not_eagers_given_other_memory_in_place_is_refused():
+    """Where the value was not eager's yet (drawn from the shifted stream), or the tensor was
+    meta, other memory put in place is refused: it holds no eager value to keep."""
+    model = build_empty(_BufferAfterALayer, include_buffers=False)
+    model.noise.data = model.noise.data.double()
+    model.layer.weight.data = model.layer.weight.data.half()
+    message = assert_refused(model, because="memory was replaced")
+    assert named(message, "noise") and named(message, "layer.weight")
