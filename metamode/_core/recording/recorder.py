@@ -650,9 +650,13 @@ class Recorder:
         storages = self.program.storages
         for storage in (*call.creates, *call.writes):
             if storages[storage].device != "meta":
-                storages[storage].off = self._off = True
-                if why is not None:
-                    self._off_why[storage] = why
+                self._mark_off(storage, why)
+
+    def _mark_off(self, storage: int, why: str | None) -> None:
+        """``storage`` holds a value not eager's (``why``: how, if not by a shifted stream)."""
+        self.program.storages[storage].off = self._off = True
+        if why is not None:
+            self._off_why[storage] = why
 
     def _reshaped(self, tensors: list[torch.Tensor], before: list[TensorRef]) -> None:
         """A call may have given ``tensors`` (seen as ``before``) other geometry: each gets a
@@ -1058,18 +1062,14 @@ class Recorder:
             if storage in special:
                 self._written(storage)
             if off and storages[storage].device != "meta":
-                storages[storage].off = self._off = True
-                if why is not None:
-                    self._off_why[storage] = why
+                self._mark_off(storage, why)
         if self._memory.active:
             for storage in call.writes:
                 self._memory.written(storage)
         if off:
             for storage in call.creates:
                 if storages[storage].device != "meta":
-                    storages[storage].off = self._off = True
-                    if why is not None:
-                        self._off_why[storage] = why
+                    self._mark_off(storage, why)
         known = self._tensors
         for tensor in tensors:
             seen = known.get(id(tensor))

@@ -161,6 +161,8 @@ EXACT_PROBES: dict[str, Callable[[nn.Module], None]] = {
     "fast path disabled by torch.backends.mha": _attention(fastpath=False),
     "query requires grad, grad enabled": _attention(query_requires_grad=True, grad=True),
     "probe output not kept": _attention(keep=False),
+    "attention bias=False": _attention(bias=False),
+    "encoder layer bias=False": _layer("encoder layer", bias=False),
 }
 
 
@@ -168,20 +170,6 @@ EXACT_PROBES: dict[str, Callable[[nn.Module], None]] = {
 @pytest.mark.parametrize("idiom", sorted(EXACT_PROBES))
 def test_probes_eager_runs_slowly_or_not_kept_are_exact(idiom, include_buffers):
     init = EXACT_PROBES[idiom]
-    ref = build_eagerly(lambda: Built(init))
-    materialize_exactly(build_empty(lambda: Built(init), include_buffers), ref)
-
-
-OVER_REFUSED: dict[str, Callable[[nn.Module], None]] = {
-    "attention bias=False": _attention(bias=False),
-    "encoder layer bias=False": _layer("encoder layer", bias=False),
-}
-
-
-@pytest.mark.parametrize("include_buffers", MODES)
-@pytest.mark.parametrize("idiom", sorted(OVER_REFUSED))
-def test_a_forward_without_bias_eager_runs_slowly_is_exact(idiom, include_buffers):
-    init = OVER_REFUSED[idiom]
     ref = build_eagerly(lambda: Built(init))
     materialize_exactly(build_empty(lambda: Built(init), include_buffers), ref)
 
