@@ -49,7 +49,14 @@ def forced_mixed(paths: dict[str, str], name: str) -> dict[str, Any]:
     alone = {dtype: load(dtype) for dtype in (torch.float16, torch.float32)}
     a_done, b_inside = threading.Event(), threading.Event()
     models: dict[torch.dtype, nn.Module] = {}
+    errors: list[str] = []
     idents: dict[str, int] = {}
+
+    def load_into_models(who: str, dtype: torch.dtype) -> None:
+        try:
+            models[dtype] = load(dtype)
+        except Exception as error:  # stock's race may leave a model on meta that a load refuses
+            errors.append(f"{who}: {type(error).__name__}: {error}")
 
     def parked(who: str, state: dtype_windows.WindowState) -> bool:
         return who in idents and idents[who] in state.parked
@@ -64,7 +71,7 @@ def forced_mixed(paths: dict[str, str], name: str) -> dict[str, Any]:
         idents["A"] = threading.get_ident()
         gates.arm(gate)
         try:
-            models[torch.float16] = load(torch.float16)
+            load_into_models("A", torch.float16)
         finally:
             a_done.set()
             _notify_windows()
@@ -79,16 +86,23 @@ def forced_mixed(paths: dict[str, str], name: str) -> dict[str, Any]:
         idents["B"] = threading.get_ident()
         _notify_windows()
         gates.arm(gate)
-        models[torch.float32] = load(torch.float32)
+        load_into_models("B", torch.float32)
 
     threads: list[threading.Thread] = []
     with _Gates() as gates:
         run_threads([lambda: a(gates)])
         for thread in threads:
             thread.join()
+
+    def differs(dtype: torch.dtype) -> list:
+        if dtype not in models:
+            return ["not loaded"]
+        return dtype_loads.differences(models[dtype], alone[dtype])[:2]
+
     return {
-        "float16_differs": dtype_loads.differences(models[torch.float16], alone[torch.float16])[:2],
-        "float32_differs": dtype_loads.differences(models[torch.float32], alone[torch.float32])[:2],
+        "float16_differs": differs(torch.float16),
+        "float32_differs": differs(torch.float32),
+        "errors": errors,
         "default_dtype_after": str(torch.get_default_dtype()),
     }
 
@@ -121,6 +135,7 @@ def test_forced_float16_and_float32_loads_each_build_a_lone_loads_model(saved, a
     assert result == {
         "float16_differs": [],
         "float32_differs": [],
+        "errors": [],
         "default_dtype_after": "torch.float32",
     }
 
@@ -129,7 +144,8 @@ def test_forced_float16_and_float32_loads_each_build_a_lone_loads_model(saved, a
 @pytest.mark.parametrize("name", _MODELS)
 def test_stock_forced_float16_and_float32_loads_corrupt_the_model_or_the_default(name):
     """The scenario above catches the bug: stock leaves the process in float16, and
-    transformers builds A's Llama partly in float32."""
+    transformers builds A's Llama partly in float32. (Where transformers kernelizes after
+    loading, with ``kernels`` installed, a model the race left on meta makes that load raise.)"""
     result = _stock("forced_mixed", name)
     assert result["default_dtype_after"] == "torch.float16"
     if name == "llama":
