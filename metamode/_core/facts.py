@@ -150,8 +150,6 @@ _PLACEMENT_PROPERTIES = frozenset(["is_meta", "is_cpu"])
 # torch functions of the same kind (read metadata or process state, no tensor values)
 _QUERY_FUNCTIONS = frozenset(
     [
-        "_has_compatible_shallow_copy_type",
-        "_parse_to",
         "is_same_size",
         "is_floating_point",
         "is_complex",
@@ -269,7 +267,12 @@ class Fact:
     (``numpy()``); ``addresses``: tells where that memory is (``data_ptr()``).
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
-    no version counter), so nothing states what it writes. ``uninitialised``: its result
+    no version counter), so nothing states what it writes. ``derives_device``: answers a
+    device made from its arguments (``torch.device(d)``, and ``torch._C._nn._parse_to``,
+    which ``Tensor.to`` and ``Module.to`` parse theirs with). ``compares_types``: answers
+    whether two tensors' implementations are alike (``torch._has_compatible_shallow_copy_type``,
+    which ``Module._apply`` asks before it gives a parameter the memory of the tensor it made
+    instead of a new parameter holding it). ``uninitialised``: its result
     is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``); ``grows``: the memory it adds
     to its first argument's storage is (``GROWING_NAMES``). ``writes_positional``: it may
     write a tensor passed positionally (False only where torch's schemas say no overload
@@ -293,6 +296,8 @@ class Fact:
     changes_geometry: bool = False
     is_meta: bool = False
     device: bool = False
+    derives_device: bool = False
+    compares_types: bool = False
     placement: bool = False
     hands_out_memory: bool = False
     addresses: bool = False
@@ -510,6 +515,10 @@ def _draw_rule(
 
 def _classify(func: Any) -> Fact:
     name = getattr(func, "__name__", "") or ""
+    if func is torch.device or func is torch._C._nn._parse_to:
+        return Fact(name, query=True, derives_device=True)
+    if func is torch._has_compatible_shallow_copy_type:
+        return Fact(name, query=True, compares_types=True)
     if isinstance(func, type) and not issubclass(func, torch.Tensor):
         return _QUERY_FACT  # torch.device(...), torch.Size(...)
     if name in ("__get__", "__set__"):

@@ -136,6 +136,15 @@ class Runner(Protocol):
         ...
 
 
+def _copying(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``Tensor.to``'s arguments with ``copy=True`` (positional after ``non_blocking``, or by
+    keyword)."""
+    flags = [i for i, arg in enumerate(args) if type(arg) is bool]
+    if len(flags) == 2:
+        return (*args[: flags[1]], True, *args[flags[1] + 1 :]), kwargs
+    return args, {**kwargs, "copy": True}
+
+
 def _is_tensor(kind: type) -> bool:
     known = _TENSOR_TYPES.get(kind)
     if known is None:
@@ -471,6 +480,11 @@ class Recorder:
             result = func(*args, **kwargs)
             if fact is _QUERY_FACT:  # reads metadata that is the same on meta
                 return result
+            if fact.derives_device:
+                self._derived_device(args, kwargs, result)
+                return result
+            if fact.compares_types and len(args) == 2:
+                return self._alike_in_eager(result, *args)
             if fact.device and result.type == "meta":
                 self._placed_device(args[0], result)
             if fact.hands_out_memory and args and _is_tensor(type(args[0])):
@@ -543,6 +557,12 @@ class Recorder:
                     f"caught the error may have built otherwise"
                 )
             raise
+        moved_to_meta = (
+            func is _TO and result is args[0] and self._moves_placed_to_meta(result, args, kwargs)
+        )
+        if moved_to_meta:
+            args, kwargs = _copying(args, kwargs)
+            result, skipped = runner.placed_call(func, args, kwargs)
         try:
             written = [t for t, v in zip(tensors, versions, strict=True) if t._version != v]
         except RuntimeError:
@@ -568,6 +588,9 @@ class Recorder:
         if creates and self._asks_meta(func, args, kwargs, inputs):
             for created in creates:
                 self._made_asked_meta(created)
+                if moved_to_meta:
+                    info = self.program.storages[created]
+                    info.pinned = info.pinned or _MOVED_TO_META
         if fact.factory:
             captured_kwargs = {**captured_kwargs, "device": _CPU}
             if kwargs.get("dtype") is None and isinstance(result, torch.Tensor):
@@ -924,6 +947,43 @@ class Recorder:
         if placed:
             self._placed_devices[id(device)] = device
 
+    def _derived_device(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """``result`` (a device, or ``_parse_to``'s tuple whose first item is one) was made
+        from the device or tensor that ``device=``, ``tensor=`` or ``args`` give first: a new
+        object, which stands for the CPU where that one does."""
+        device = result[0] if type(result) is tuple else result
+        if type(device) is not torch.device or device.type != "meta":
+            return
+        source: Any = kwargs.get("device", kwargs.get("tensor", args[0] if args else None))
+        if _is_tensor(type(source)):
+            placed = source.is_meta and not self._asked_tensor(source)
+        else:
+            placed = type(source) is torch.device and id(source) in self._placed_devices
+        if placed:
+            self._placed_devices[id(device)] = device
+
+    def _alike_in_eager(self, alike: bool, tensor: Any, other: Any) -> bool:
+        """Eager construction's answer to ``_has_compatible_shallow_copy_type(tensor, other)``,
+        torch's being ``alike``: a tensor the context placed on meta is a CPU tensor there, one
+        the build asked for on meta a meta tensor. Where eager's is True for a placed tensor
+        and a real one, which the build cannot follow (``set_data`` refuses meta and real
+        tensors), the build is refused."""
+        if not (_is_tensor(type(tensor)) and _is_tensor(type(other))):
+            return alike
+        if tensor.is_meta and other.is_meta:
+            return alike and self._asked_tensor(tensor) == self._asked_tensor(other)
+        if tensor.is_meta or other.is_meta:
+            meta, real = (tensor, other) if tensor.is_meta else (other, tensor)
+            if (
+                not self._asked_tensor(meta)
+                and real.is_cpu
+                and real.layout is torch.strided
+                and not torch.__future__.get_swap_module_params_on_conversion()
+                and not torch.__future__.get_overwrite_module_params_on_conversion()
+            ):  # else Module._apply swaps or replaces the parameter, eager's answer aside
+                self.diverge(_PLACED_GIVEN_REAL_MEMORY)
+        return alike
+
     def joined(self, device: torch.device) -> None:
         """A context putting factory calls on ``device`` joined the recording: a
         ``device=`` that is this object is where the context, not the build, put it."""
@@ -972,13 +1032,28 @@ class Recorder:
             return True
         storages = self.program.storages
         if func is _TO:
-            for arg in args[1:]:
+            for arg in (*args[1:], kwargs.get("tensor")):
                 if _is_tensor(type(arg)):
-                    index = self._storage_index(arg)
-                    return index is not None and storages[index].asked_meta
+                    return arg.is_meta and self._asked_tensor(arg)
                 if self._asked(arg):
                     return True
         return any(storages[ref.storage].asked_meta for ref in inputs)
+
+    def _moves_placed_to_meta(self, tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """Whether ``tensor.to(...)`` returned ``tensor``, on meta because the context put it
+        there, where the build asked for meta: eager's tensor is on the CPU, so its ``.to``
+        is a copy to a new meta tensor, which a later draw into draws nothing."""
+        if not tensor.is_meta or self._asked_tensor(tensor):
+            return False
+        device = kwargs.get("device")
+        if device is not None:
+            return self._asked(device)
+        for arg in (*args[1:], kwargs.get("tensor")):
+            if _is_tensor(type(arg)):
+                return arg.is_meta and self._asked_tensor(arg)
+            if self._asked(arg):
+                return True
+        return False
 
     def _made_asked_meta(self, storage: int) -> None:
         info = self.program.storages[storage]
@@ -1484,6 +1559,18 @@ def _custom_op_draw(fact: Fact) -> str | None:
     )
 
 
+_PLACED_GIVEN_REAL_MEMORY = (
+    "Module._apply made a real CPU tensor for a parameter the context had put on meta "
+    "(to_empty(device='cpu'), or a function of its own): eager construction keeps the "
+    "parameter object and gives it that memory, which a meta parameter cannot take, so the "
+    "build went another way; do it after materialize"
+)
+_MOVED_TO_META = (
+    "Tensor.to moved a tensor the context had put on meta to meta the build asked for itself: "
+    "eager construction holds a new meta tensor here, which has no values to give (or, had the "
+    "device been read off a tensor the context placed, the CPU tensor itself); move it after "
+    "materialize, or build it on a real device"
+)
 _ASKED_META_DRAW = (
     "it draws into a tensor on meta that the build asked for itself (device='meta', "
     "torch.device('meta'), or made outside the recording), where eager construction may draw "

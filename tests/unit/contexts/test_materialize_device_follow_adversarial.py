@@ -703,11 +703,6 @@ PLACING: dict[str, Callable[[nn.Module], object]] = {
     "transformers maybe_autocast(x.device.type) positional": (
         _rotary_under_maybe_autocast_positional
     ),
-    "module.to(str(w.device))": lambda m: m.out.to(str(m.fc.weight.device)),
-    "module.to(w.device.type)": lambda m: m.out.to(m.fc.weight.device.type),
-    "buffer.to(str(w.device))": lambda m: m.register_buffer(
-        "z", m.buf.to(str(m.fc.weight.device)) * 2
-    ),
     "a nested function's parameter shadows the device": _shadowed_in_a_nested_function,
     "a comprehension's variable shadows the device": _shadowed_in_a_comprehension,
     "the local rebound to the CPU before the comparison": _rebound_before_the_comparison,

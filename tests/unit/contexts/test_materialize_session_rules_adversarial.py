@@ -138,7 +138,7 @@ ASKED_META_DRAWS: dict[str, Callable[[], object]] = {
     "randn(device=torch.device(type='meta'))": lambda: torch.randn(
         3, device=torch.device(type="meta")
     ),
-    # -- silently wrong today: the draw is recorded as a real one --
+    # -- inits that return early on meta, tensors by keyword or out=, device contexts --
     "trunc_normal_ into meta": lambda: nn.init.trunc_normal_(torch.empty(3, device="meta")),
     "orthogonal_ into meta": lambda: nn.init.orthogonal_(torch.empty(3, 3, device="meta")),
     "sparse_ into meta": lambda: nn.init.sparse_(torch.empty(3, 3, device="meta"), 0.5),
@@ -153,16 +153,8 @@ ASKED_META_DRAWS: dict[str, Callable[[], object]] = {
     "nn.Module.to('meta') then reset_parameters": _module_to_meta,
 }
 
-ASKED_META_BROKEN = {
-    "nn.Module.to('meta') then reset_parameters": (
-        "silently wrong (the documented .to('meta') hole, through Module.to): the context "
-        "had put the layer on meta, so .to('meta') returns its tensors and reset_parameters "
-        "is recorded as a real draw, where eager moved them to meta and drew nothing"
-    ),
-}
 
-
-@pytest.mark.parametrize(("idiom", "include_buffers"), _cases(ASKED_META_DRAWS, ASKED_META_BROKEN))
+@pytest.mark.parametrize(("idiom", "include_buffers"), _cases(ASKED_META_DRAWS, {}))
 def test_a_draw_into_meta_the_build_asked_for_refuses_the_draws_after_it(idiom, include_buffers):
     def init(m: nn.Module) -> None:
         ASKED_META_DRAWS[idiom]()
@@ -222,12 +214,6 @@ def _accelerate_inside(m: nn.Module) -> None:
     m.lin = nn.Linear(3, 3)
 
 
-@_xfail(
-    "silently wrong: stock accelerate.init_empty_weights moves each registered parameter "
-    "with param.to(torch.device('meta')); the context had put it there, so .to returns it "
-    "(the documented .to('meta') hole) and Linear's reset is recorded as a draw, where eager "
-    "drew nothing: the later layer replays one draw off"
-)
 @pytest.mark.parametrize("include_buffers", MODES)
 def test_stock_accelerate_init_empty_weights_inside_the_build(include_buffers):
     assert not metamode.is_enabled("accelerate")
@@ -315,27 +301,8 @@ PLACED_DEVICE_IDIOMS: dict[str, Callable[[nn.Module], None]] = {
     "with torch.device(torch.device(w.device)): randn": _with_torch_device_of,
 }
 
-_NORMALISED = (
-    "over-refusal: torch.device(d) of a device read off a placed tensor is a new object, "
-    "not the one the .device read answered, so Recorder._asked takes it for a meta device "
-    "the build asked for; torch.device(device) is how library code normalises a device= "
-    "argument (str or torch.device) before placing"
-)
-PLACED_DEVICE_BROKEN = {
-    "torch.device(w.device)": _NORMALISED,
-    "with torch.device(torch.device(w.device)): randn": _NORMALISED,
-    "with w.device: randn": (
-        "over-refusal: entering the very device object a placed tensor's .device answered "
-        "makes torch's device context hold torch.device(d), a new object, which "
-        "Recorder._asked does not know; the randn under it is refused as a draw into meta "
-        "the build asked for, where eager draws on the CPU"
-    ),
-}
 
-
-@pytest.mark.parametrize(
-    ("idiom", "include_buffers"), _cases(PLACED_DEVICE_IDIOMS, PLACED_DEVICE_BROKEN)
-)
+@pytest.mark.parametrize(("idiom", "include_buffers"), _cases(PLACED_DEVICE_IDIOMS, {}))
 def test_placing_by_a_placed_tensors_device_is_exact(idiom, include_buffers):
     init = PLACED_DEVICE_IDIOMS[idiom]
     ref = build_eagerly(lambda: Built(init))

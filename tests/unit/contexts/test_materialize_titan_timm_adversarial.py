@@ -1724,26 +1724,9 @@ ASKED_META_DRAWS = {
 }
 
 
-_PLACED_TO_META = pytest.mark.xfail(
-    strict=True,
-    reason="silently wrong: the context had put the zeros on meta, so .to('meta') returns "
-    "them, where eager copies them to a new meta tensor that draws nothing; a literal 'meta' "
-    "cannot be told from .to(str(w.device)) of a placed tensor (eager: .to('cpu'), itself), "
-    "which PEFT's and users' device moves do everywhere",
-)
-
-
 @pytest.mark.parametrize(
     ("idiom", "include_buffers"),
-    [
-        pytest.param(
-            idiom,
-            mode,
-            marks=[_PLACED_TO_META] if idiom == "nn.init on .to('meta')" and mode else [],
-        )
-        for idiom in sorted(ASKED_META_DRAWS)
-        for mode in MODES
-    ],
+    [(idiom, mode) for idiom in sorted(ASKED_META_DRAWS) for mode in MODES],
 )
 def test_a_draw_into_meta_the_build_asked_for_refuses_the_draws_after_it(idiom, include_buffers):
     """Eager draws nothing there (a meta kernel), or something, if the device was read off a
