@@ -56,6 +56,10 @@ private name                                     public alternative
 ``torch.utils._python_dispatch.``                none: a ``TorchDispatchMode``'s
 ``_disable_current_modes``, ``torch._ops.``      ``__exit__`` must nest like ``with`` (the
 ``_len_torch_dispatch_stack_pre_dispatch``       caller's modes are set aside for a while)
+``torch._C._nn._parse_to``                        none: how ``Tensor.to`` and ``Module.to``
+                                                 parse their arguments (a new device object)
+``torch._has_compatible_shallow_copy_type``      none: what ``Module._apply`` asks before it
+                                                 gives a parameter another tensor's memory
 ``torch._functorch.pyfunctorch.``                none: the transforms (``torch.func.grad``,
 ``temporarily_clear_interpreter_stack``,         ``vmap``) the thread is inside
 ``torch._C._functorch.peek_interpreter_stack``
@@ -126,6 +130,8 @@ __all__ = [
     "pop_mode",
     "push_mode",
     "rebuild_meta_tensor_no_storage",
+    "parse_to",
+    "has_compatible_shallow_copy_type",
     "registration_hooks",
     "StorageRef",
     "storage_of",
@@ -158,6 +164,8 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 rebuild_meta_tensor_no_storage: Callable[..., torch.Tensor] = (
     torch._utils._rebuild_meta_tensor_no_storage
 )
+parse_to: Callable[..., tuple] = torch._C._nn._parse_to
+has_compatible_shallow_copy_type: Callable[..., bool] = torch._has_compatible_shallow_copy_type
 # How doctor names what it reports and repairs.
 CURRENT_DEVICE_NAME = "torch.utils._device.CURRENT_DEVICE"
 VARIABLE_FUNCTIONS_NAME = "torch._C._VariableFunctions"

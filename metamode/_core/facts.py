@@ -29,6 +29,8 @@ from metamode._torch import (
     OpOverload,
     OpOverloadPacket,
     device_constructors,
+    has_compatible_shallow_copy_type,
+    parse_to,
     rebuild_meta_tensor_no_storage,
 )
 
@@ -268,9 +270,9 @@ class Fact:
     ``unstated``: an in-place tensor method torch binds without an operator schema
     (``apply_``, ``map_``, ``map2_``: they run a Python function over the memory and move
     no version counter), so nothing states what it writes. ``derives_device``: answers a
-    device made from its arguments (``torch.device(d)``, and ``torch._C._nn._parse_to``,
-    which ``Tensor.to`` and ``Module.to`` parse theirs with). ``compares_types``: answers
-    whether two tensors' implementations are alike (``torch._has_compatible_shallow_copy_type``,
+    device made from its arguments (``torch.device(d)``, and ``_torch.parse_to``, which
+    ``Tensor.to`` and ``Module.to`` parse theirs with). ``compares_types``: answers whether
+    two tensors' implementations are alike (``_torch.has_compatible_shallow_copy_type``,
     which ``Module._apply`` asks before it gives a parameter the memory of the tensor it made
     instead of a new parameter holding it). ``uninitialised``: its result
     is uninitialised memory (``UNINITIALISED_FACTORY_NAMES``); ``grows``: the memory it adds
@@ -515,9 +517,9 @@ def _draw_rule(
 
 def _classify(func: Any) -> Fact:
     name = getattr(func, "__name__", "") or ""
-    if func is torch.device or func is torch._C._nn._parse_to:
+    if func is torch.device or func is parse_to:
         return Fact(name, query=True, derives_device=True)
-    if func is torch._has_compatible_shallow_copy_type:
+    if func is has_compatible_shallow_copy_type:
         return Fact(name, query=True, compares_types=True)
     if isinstance(func, type) and not issubclass(func, torch.Tensor):
         return _QUERY_FACT  # torch.device(...), torch.Size(...)

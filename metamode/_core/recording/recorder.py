@@ -1032,12 +1032,20 @@ class Recorder:
             return True
         storages = self.program.storages
         if func is _TO:
-            for arg in (*args[1:], kwargs.get("tensor")):
-                if _is_tensor(type(arg)):
-                    return arg.is_meta and self._asked_tensor(arg)
-                if self._asked(arg):
-                    return True
+            asked = self._to_asks_meta(args, kwargs)
+            if asked is not None:
+                return asked
         return any(storages[ref.storage].asked_meta for ref in inputs)
+
+    def _to_asks_meta(self, args: tuple, kwargs: dict) -> bool | None:
+        """Whether ``Tensor.to``'s target, a tensor (positional or ``tensor=``) or a device
+        given positionally, is meta the build asked for; None where none of them says."""
+        for arg in (*args[1:], kwargs.get("tensor")):
+            if _is_tensor(type(arg)):
+                return arg.is_meta and self._asked_tensor(arg)
+            if self._asked(arg):
+                return True
+        return None
 
     def _moves_placed_to_meta(self, tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
         """Whether ``tensor.to(...)`` returned ``tensor``, on meta because the context put it
@@ -1048,12 +1056,7 @@ class Recorder:
         device = kwargs.get("device")
         if device is not None:
             return self._asked(device)
-        for arg in (*args[1:], kwargs.get("tensor")):
-            if _is_tensor(type(arg)):
-                return arg.is_meta and self._asked_tensor(arg)
-            if self._asked(arg):
-                return True
-        return False
+        return bool(self._to_asks_meta(args, kwargs))
 
     def _made_asked_meta(self, storage: int) -> None:
         info = self.program.storages[storage]
