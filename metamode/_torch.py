@@ -56,7 +56,7 @@ private name                                     public alternative
 ``torch.utils._python_dispatch.``                none: a ``TorchDispatchMode``'s
 ``_disable_current_modes``, ``torch._ops.``      ``__exit__`` must nest like ``with`` (the
 ``_len_torch_dispatch_stack_pre_dispatch``       caller's modes are set aside for a while)
-``torch._C._nn._parse_to``                        none: how ``Tensor.to`` and ``Module.to``
+``torch._C._nn._parse_to``                       none: how ``Tensor.to`` and ``Module.to``
                                                  parse their arguments (a new device object)
 ``torch._has_compatible_shallow_copy_type``      none: what ``Module._apply`` asks before it
                                                  gives a parameter another tensor's memory
